@@ -1,0 +1,37 @@
+# labkit — every target bootstraps its own virtual environment (.venv) from nothing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.labkit-installed
+PYTEST_ARGS ?=
+
+.PHONY: lab test bench lint doctor grade clean-venv
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "labkit needs Python 3.10+, found " + sys.version' 
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --progress-bar off -e ".[dev]"
+	@touch $(STAMP)
+
+lab: $(STAMP)  ## open the course in JupyterLab (prints the URL; never needs a browser)
+	@echo "Starting JupyterLab on notebooks/ — open the http://127.0.0.1:... URL printed below."
+	$(BIN)/jupyter lab --no-browser --ip=127.0.0.1 --notebook-dir=notebooks
+
+test: $(STAMP)  ## unit + distributed + grading tests, then every notebook under nbval (solutions mode)
+	LABKIT_SOLUTIONS=1 $(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
+		--nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=300 $(PYTEST_ARGS)
+
+bench: $(STAMP)  ## benchmarks against PyTorch's built-ins, ratios printed
+	$(BIN)/labkit bench
+
+lint: $(STAMP)
+	$(BIN)/ruff check labkit tests benchmarks exercises solutions
+
+doctor: $(STAMP)
+	$(BIN)/labkit doctor
+
+grade: $(STAMP)
+	$(BIN)/labkit grade
+
+clean-venv:
+	rm -rf $(VENV)

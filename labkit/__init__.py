@@ -1,0 +1,10 @@
+"""labkit — distributed deep-learning training, built from scratch and checked against PyTorch.
+
+Start with ``labkit.launch.launch`` (run a function on N ranks) and ``labkit.dist`` (who am I, where are my
+tensors).  Each technique lives in its own module, written to be read top to bottom.
+"""
+
+from labkit import dist, launch
+
+__version__ = "0.1.0"
+__all__ = ["dist", "launch", "__version__"]

@@ -1,0 +1,543 @@
+"""Run a function on N ranks — from a notebook cell, a script, pytest, or under ``torchrun``.
+
+A distributed training job is N copies of one program, each told its *rank* and the *world size*, that meet
+through a rendezvous (here: a key-value store on 127.0.0.1) and then talk through a *backend* (gloo on CPUs,
+NCCL on GPUs).  On a cluster ``torchrun`` starts the copies.  In a notebook we want the same thing from a
+single cell, with a function defined in that cell::
+
+    from labkit import launch
+    import torch.distributed as dist
+
+    def hello():
+        t = torch.tensor([dist.get_rank()])
+        dist.all_reduce(t)
+        return t.item()
+
+    launch.launch(hello, nprocs=4)        # -> [6, 6, 6, 6]
+
+How it works, and what it guarantees:
+
+- **Start.** Ranks are forked (so a function defined in a notebook cell works without pickling).  Rank 0
+  hosts the rendezvous store on a port the operating system picks, so concurrent launches never collide.  Each rank gets ``cpu_count // nprocs`` threads, as ``torchrun``'s ``OMP_NUM_THREADS=1`` does, so
+  four ranks on a two-core laptop do not fight over cores.
+- **Output.** Whatever a rank prints reaches the caller prefixed with ``[rank r]`` — live, or grouped by rank
+  at the end (``rank_output="grouped"``, deterministic), or not at all (``"none"``).
+- **Results.** ``launch`` returns ``fn``'s return value from every rank, as a list indexed by rank.  Tensors
+  come back on the CPU.
+- **Failure.** A rank that raises becomes :class:`RankFailed` in the caller, with the rank and its traceback;
+  the other ranks are stopped.  Ranks that do not finish within ``timeout`` seconds (typically: stuck in a
+  collective that not every rank called) become :class:`CollectiveTimeout`, naming the stuck ranks and the
+  line each was stuck on.  Either way no process of the launch is left alive.
+- **torchrun.** When this process is already one rank of a job (``RANK``/``WORLD_SIZE`` set, or a default
+  process group exists), ``launch`` runs ``fn`` in place and all-gathers the results, so notebook code runs
+  unchanged under ``torchrun --nproc_per_node=8``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import io
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from labkit import dist
+
+RANK_OUTPUT_MODES = ("live", "grouped", "none")
+
+
+class LaunchError(RuntimeError):
+    """Base class for a launch that did not complete on every rank."""
+
+
+class RankFailed(LaunchError):
+    """A rank raised (or died).  ``.rank`` is its number, ``.remote_traceback`` its traceback as text."""
+
+    def __init__(self, rank: int, remote_traceback: str, pids: list[int], also_failed: list[int] | None = None):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.pids = pids
+        self.also_failed = also_failed or []
+        others = f" (rank(s) {self.also_failed} failed too)" if self.also_failed else ""
+        body = _indent(remote_traceback.rstrip())
+        super().__init__(f"rank {rank} failed{others}; the other ranks were stopped. Its traceback:\n{body}")
+
+
+class CollectiveTimeout(LaunchError):
+    """Some ranks did not finish within the timeout.  ``.stuck_ranks`` lists them, ``.stacks`` where they were."""
+
+    def __init__(self, timeout: float, stuck_ranks: list[int], finished_ranks: list[int],
+                 stacks: dict[int, str], pids: list[int]):
+        self.timeout = timeout
+        self.stuck_ranks = stuck_ranks
+        self.finished_ranks = finished_ranks
+        self.stacks = stacks
+        self.pids = pids
+        lines = [
+            f"rank(s) {stuck_ranks} did not finish within {timeout:g} s"
+            + (f" (rank(s) {finished_ranks} had finished and were waiting)." if finished_ranks else "."),
+            "A rank stuck in a collective usually means the ranks disagree on which collectives they call, in which "
+            "order, or on which group; a long but healthy run needs a larger timeout=.",
+        ]
+        for rank_number in stuck_ranks:
+            if stacks.get(rank_number):
+                lines.append(f"rank {rank_number} was here (most recent call last):")
+                lines.append(_indent(stacks[rank_number]))
+        lines.append("All ranks were stopped.")
+        super().__init__("\n".join(lines))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The public entry point
+
+
+def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 4, backend: str = "auto",
+           timeout: float | None = 60.0, rank_output: str = "live", **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks and return the per-rank results (index = rank).
+
+    Args:
+        fn: the function each rank runs, after the default process group is initialised.
+        nprocs: number of ranks (processes) to start.
+        backend: ``"auto"`` (NCCL when every rank can have its own GPU, else gloo), ``"gloo"`` or ``"nccl"``.
+        timeout: wall-clock seconds the whole run may take before :class:`CollectiveTimeout`; ``None`` waits
+            for ever.
+        rank_output: ``"live"`` forwards each rank's printed lines as they come, prefixed ``[rank r]``;
+            ``"grouped"`` prints them rank by rank when the run ends (reproducible order); ``"none"`` drops them.
+
+    Raises:
+        ValueError: bad arguments, before any process starts.
+        RankFailed: a rank raised or died.
+        CollectiveTimeout: ranks were still running after ``timeout`` seconds.
+    """
+    _validate(fn, nprocs, backend, timeout, rank_output)
+    if _inside_a_job():
+        return _run_in_place(fn, args, kwargs, nprocs, backend)
+    resolved = dist.resolve_backend(backend, nprocs)
+    start_method = _start_method(resolved, fn, args, kwargs)
+    return _Launcher(fn, args, kwargs, nprocs, resolved, timeout, rank_output, start_method).run()
+
+
+def _validate(fn: Any, nprocs: Any, backend: Any, timeout: Any, rank_output: Any) -> None:
+    if not callable(fn):
+        raise ValueError(f"fn must be callable (a function each rank runs), got {fn!r}")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
+    if not isinstance(backend, str) or backend.lower() not in dist.BACKENDS:
+        raise ValueError(f"backend must be one of {dist.BACKENDS}, got {backend!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if rank_output not in RANK_OUTPUT_MODES:
+        raise ValueError(f"rank_output must be one of {RANK_OUTPUT_MODES}, got {rank_output!r}")
+
+
+def _inside_a_job() -> bool:
+    return dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _run_in_place(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int, backend: str) -> list[Any]:
+    """Under torchrun (or inside a rank): run on this rank, all-gather every rank's result."""
+    if not dist.is_initialized():
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        chosen = dist.resolve_backend(backend, local_world)
+        if chosen == "nccl":
+            torch.cuda.set_device(dist.local_rank())
+        torch_dist.init_process_group(chosen, init_method="env://")
+    if nprocs != dist.world_size() and dist.is_main():
+        print(f"labkit.launch: running on the job's {dist.world_size()} ranks (nprocs={nprocs} ignored)")
+    result = _to_cpu(fn(*args, **kwargs))
+    gathered: list[Any] = [None] * dist.world_size()
+    torch_dist.all_gather_object(gathered, result)
+    return gathered
+
+
+def _start_method(backend: str, fn: Callable, args: tuple, kwargs: dict) -> str:
+    """Fork where we can (cell-defined functions need no pickling); spawn where fork is unsafe or missing."""
+    fork_ok = "fork" in mp.get_all_start_methods()
+    if fork_ok and not (backend == "nccl" and torch.cuda.is_initialized()):
+        return "fork"
+    try:
+        pickle.dumps((fn, args, kwargs))
+    except Exception as error:
+        why = ("CUDA is already initialised in this process, so ranks must be spawned, not forked"
+               if fork_ok else "this platform cannot fork, so ranks must be spawned")
+        raise ValueError(f"{why}, and fn {fn!r} or its arguments cannot be pickled ({error}); define fn at the "
+                         "top level of a module (not in a notebook cell)") from error
+    return "spawn"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The parent side
+
+
+class _Launcher:
+    def __init__(self, fn, args, kwargs, nprocs, backend, timeout, rank_output, start_method):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.nprocs, self.backend, self.timeout = nprocs, backend, timeout
+        self.rank_output = rank_output
+        self.context = mp.get_context(start_method)
+        self.processes: list[Any] = []
+        self.readers: dict[int, Any] = {}
+        self.output: dict[int, list[tuple[str, str]]] = {rank: [] for rank in range(nprocs)}
+
+    def run(self) -> list[Any]:
+        threads = max(1, _cpu_count() // self.nprocs)
+        # A generous process-group timeout: the launcher's own deadline fires first and says more.
+        group_timeout = (self.timeout or 1800.0) + 60.0
+        self.scratch = tempfile.mkdtemp(prefix="labkit-launch-")
+        released = False
+        try:
+            for rank in range(self.nprocs):
+                parent_end, child_end = self.context.Pipe(duplex=True)
+                config = _RankConfig(rank, self.nprocs, self.backend, group_timeout, threads,
+                                     os.path.join(self.scratch, f"stack-{rank}.txt"), os.getpid())
+                process = self.context.Process(target=_rank_main, name=f"labkit-rank-{rank}",
+                                               args=(config, self.fn, self.args, self.kwargs, child_end))
+                process.start()
+                child_end.close()
+                self.processes.append(process)
+                self.readers[rank] = parent_end
+            results = self._collect()
+            released = True
+            for reader in self.readers.values():
+                _send_quietly(reader, ("release",))
+            return results
+        finally:
+            self._stop_all(grace=10.0 if released else 0.0)
+            if self.rank_output == "grouped":
+                self._print_grouped()
+            for name in os.listdir(self.scratch):
+                os.unlink(os.path.join(self.scratch, name))
+            os.rmdir(self.scratch)
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def _collect(self) -> list[Any]:
+        results: list[Any] = [None] * self.nprocs
+        finished: set[int] = set()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while len(finished) < self.nprocs:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                stuck = [rank for rank in range(self.nprocs) if rank not in finished]
+                stacks = self._stacks_of(stuck)
+                raise CollectiveTimeout(self.timeout, stuck, sorted(finished), stacks, self.pids)
+            sentinels = {self.processes[rank].sentinel: rank for rank in range(self.nprocs) if rank not in finished}
+            readers = {reader: rank for rank, reader in self.readers.items()}
+            ready = wait(list(readers) + list(sentinels), timeout=remaining)
+            failures: list[tuple[int, str]] = []
+            for handle in ready:
+                if handle in readers:
+                    rank = readers[handle]
+                    for kind, payload in self._drain(rank):
+                        if kind == "result":
+                            results[rank] = pickle.loads(payload)
+                            finished.add(rank)
+                        elif kind == "error":
+                            failures.append((rank, payload))
+            for handle in ready:
+                rank = sentinels.get(handle)
+                if rank is not None and rank not in finished and not any(r == rank for r, _ in failures):
+                    for kind, payload in self._drain(rank):
+                        if kind == "result":
+                            results[rank] = pickle.loads(payload)
+                            finished.add(rank)
+                        elif kind == "error":
+                            failures.append((rank, payload))
+                    if rank not in finished and not any(r == rank for r, _ in failures):
+                        failures.append((rank, _describe_exit(self.processes[rank].exitcode)))
+            if failures:
+                first_rank, first_traceback = failures[0]
+                others = sorted({rank for rank, _ in failures[1:]} - {first_rank})
+                raise RankFailed(first_rank, first_traceback, self.pids, others)
+        return results
+
+    def _drain(self, rank: int) -> list[tuple[str, Any]]:
+        """Read every message waiting on a rank's pipe; print/collect output, return results and errors."""
+        reader = self.readers.get(rank)
+        messages = []
+        while reader is not None and reader.poll():
+            try:
+                kind, *payload = reader.recv()
+            except (EOFError, OSError):
+                reader.close()
+                del self.readers[rank]
+                break
+            if kind == "out":
+                self._emit(rank, *payload)
+            elif kind == "port":  # rank 0 hosts the rendezvous store; tell the others where it is
+                for other_rank, other in self.readers.items():
+                    if other_rank != rank:
+                        _send_quietly(other, ("port", payload[0]))
+            else:
+                messages.append((kind, payload[0]))
+        return messages
+
+    def _emit(self, rank: int, stream: str, text: str) -> None:
+        if self.rank_output == "live":
+            target = sys.stderr if stream == "stderr" else sys.stdout
+            print(f"[rank {rank}] {text}", file=target, flush=True)
+        elif self.rank_output == "grouped":
+            self.output[rank].append((stream, text))
+
+    def _print_grouped(self) -> None:
+        for rank in range(self.nprocs):
+            for stream, text in self.output[rank]:
+                print(f"[rank {rank}] {text}", file=sys.stderr if stream == "stderr" else sys.stdout)
+        sys.stdout.flush()
+
+    def _stacks_of(self, ranks: list[int]) -> dict[int, str]:
+        """Ask each stuck rank to dump its Python stack (faulthandler on SIGUSR1) and read it back."""
+        if not hasattr(signal, "SIGUSR1"):
+            return {}
+        for rank in ranks:
+            if self.processes[rank].is_alive():
+                try:
+                    os.kill(self.processes[rank].pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.5)
+        stacks = {}
+        for rank in ranks:
+            path = os.path.join(self.scratch, f"stack-{rank}.txt")
+            try:
+                with open(path) as handle:
+                    stacks[rank] = _format_faulthandler_dump(handle.read())
+            except OSError:
+                pass
+        return stacks
+
+    def _stop_all(self, grace: float) -> None:
+        """Let finished ranks exit cleanly; terminate, then kill, whatever is left.  Reap every process."""
+        grace = time.monotonic() + grace
+        for process in self.processes:
+            process.join(max(0.0, grace - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + 3.0
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for rank in list(self.readers):
+            self._drain(rank)
+        for reader in self.readers.values():
+            reader.close()
+        self.readers.clear()
+
+
+# --------------------------------------------------------------------------------------------------------
+# The rank side
+
+
+class _RankConfig:
+    def __init__(self, rank, world_size, backend, group_timeout, threads, stack_path, parent_pid):
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.group_timeout, self.threads, self.stack_path, self.parent_pid = group_timeout, threads, stack_path, parent_pid
+
+
+def _rank_main(config: _RankConfig, fn, args, kwargs, connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C / kernel interrupts and stops us
+    _die_with_parent(config.parent_pid)
+    sender = _Sender(connection)
+    sys.stdout = _LineForwarder(sender, "stdout")
+    sys.stderr = _LineForwarder(sender, "stderr")
+    stack_file = open(config.stack_path, "w")  # noqa: SIM115 — kept open for faulthandler until exit
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    os.environ.update({
+        "RANK": str(config.rank), "WORLD_SIZE": str(config.world_size),
+        "LOCAL_RANK": str(config.rank), "LOCAL_WORLD_SIZE": str(config.world_size),
+        "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(config.threads),
+    })
+    loopback = _loopback_interface()
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    torch.set_num_threads(config.threads)
+    try:
+        if config.backend == "nccl":
+            torch.cuda.set_device(config.rank)
+        timeout = datetime.timedelta(seconds=config.group_timeout)
+        # Rendezvous: rank 0 hosts the store on a port the OS picks (so concurrent launches never collide) and
+        # the parent forwards the port to the other ranks.  The parent itself runs no store thread, which
+        # would make forking unsafe.
+        if config.rank == 0:
+            store = torch_dist.TCPStore("127.0.0.1", 0, config.world_size, True, timeout=timeout,
+                                        wait_for_workers=False)
+            sender.send(("port", store.port))
+            port = store.port
+        else:
+            message = connection.recv()
+            port = message[1]
+            store = torch_dist.TCPStore("127.0.0.1", port, config.world_size, False, timeout=timeout)
+        os.environ["MASTER_PORT"] = str(port)
+        torch_dist.init_process_group(config.backend, store=store, rank=config.rank,
+                                      world_size=config.world_size, timeout=timeout)
+        result = fn(*args, **kwargs)
+        try:
+            payload = pickle.dumps(_to_cpu(result))
+        except Exception as error:
+            raise TypeError(f"rank {config.rank} returned {type(result).__name__}, which cannot be sent back to "
+                            f"the caller ({error}); return tensors, numbers or other picklable values") from error
+    except BaseException:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sender.send(("error", _format_remote_exception()))
+        _wait_for_release(connection)  # stay connected so peers do not fail on our exit; the parent stops us
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sender.send(("result", payload))
+    _wait_for_release(connection)
+    try:
+        torch_dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def _wait_for_release(connection) -> None:
+    """Block until the parent says every rank is done (or goes away)."""
+    try:
+        while connection.recv()[0] != "release":
+            pass
+    except (EOFError, OSError):
+        pass
+
+
+def _send_quietly(connection, message: tuple) -> None:
+    try:
+        connection.send(message)
+    except (BrokenPipeError, ConnectionResetError, OSError):
+        pass
+
+
+class _Sender:
+    """Thread-safe messages to the parent (a rank's threads may print concurrently)."""
+
+    def __init__(self, writer):
+        self.writer = writer
+        self.lock = threading.Lock()
+
+    def send(self, message: tuple) -> None:
+        with self.lock:
+            try:
+                self.writer.send(message)
+            except (BrokenPipeError, OSError):
+                pass
+
+
+class _LineForwarder(io.TextIOBase):
+    """A stand-in for sys.stdout/sys.stderr that forwards complete lines to the parent."""
+
+    def __init__(self, sender: _Sender, stream: str):
+        self.sender, self.stream, self.pending = sender, stream, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self.sender.send(("out", self.stream, line))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.sender.send(("out", self.stream, self.pending))
+            self.pending = ""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _to_cpu(value: Any) -> Any:
+    """Move tensors in (nested) results to the CPU, so the caller never initialises CUDA to read them."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" else value.detach()
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_to_cpu(item) for item in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {key: _to_cpu(item) for key, item in value.items()}
+    return value
+
+
+def _cpu_count() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _loopback_interface() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: ask the kernel to kill this rank if the launching process dies (e.g. a restarted kernel)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"the process was killed by {name} before it could report (exit code {exitcode})"
+    return f"the process exited with code {exitcode} before returning a result"
+
+
+def _format_remote_exception() -> str:
+    """The current exception's traceback, starting at the user's code (the launcher's frames are noise)."""
+    error_type, error, tb = sys.exc_info()
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(error_type, error, tb))
+
+
+def _format_faulthandler_dump(text: str) -> str:
+    """faulthandler prints most recent call first; show it like a traceback, from the user's function on."""
+    frames = [line.strip() for line in reversed(text.splitlines()) if line.strip().startswith("File ")]
+    launcher = [index for index, frame in enumerate(frames) if frame.startswith(f'File "{__file__}"')]
+    if launcher:
+        frames = frames[launcher[-1] + 1:]
+    return "\n".join(frames)
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
