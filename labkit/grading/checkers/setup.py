@@ -14,6 +14,7 @@ from labkit.grading import CheckFailed
 from labkit.launch import launch
 
 SIZES = (0, 1, 2, 5, 7, 10, 16, 17, 101)
+LAUNCH_TIMEOUT = 30.0  # seconds a distributed check may take before the ranks count as hung
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
 
 
@@ -75,7 +76,7 @@ def _run_on_rank(function, shards: list[torch.Tensor]):
 def _distributed(module, name: str, n: int, world_size: int, reduce) -> None:
     shards = _shards(n, world_size, seed=n * 31 + world_size)
     truth = reduce(torch.cat(shards))
-    outputs = launch(_run_on_rank, getattr(module, name), shards, nprocs=world_size, timeout=30.0,
+    outputs = launch(_run_on_rank, getattr(module, name), shards, nprocs=world_size, timeout=LAUNCH_TIMEOUT,
                      rank_output="none")
     sizes = [len(shard) for shard in shards]
     for rank, (result, untouched) in enumerate(outputs):

@@ -1,0 +1,133 @@
+"""The ``labkit`` command: ``labkit doctor | grade | bench``.
+
+- ``labkit doctor`` — what this machine offers (torch, backends, GPUs, CPUs) and a 2-rank gloo all-reduce
+  as a smoke test.  The first thing to run when something is off.
+- ``labkit grade [--solutions] [--dir PATH] [--json]`` — score every exercise: a table for a person, JSON
+  for an instructor's tooling.
+- ``labkit bench [--quick] [NAME ...]`` — run the benchmarks in ``benchmarks/`` (each compares a labkit
+  technique with PyTorch's built-in, measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+
+from labkit import __version__, dist, grading, launch
+
+
+def _smoke_all_reduce() -> float:
+    tensor = torch.tensor([float(torch_dist.get_rank() + 1)])
+    torch_dist.all_reduce(tensor)
+    return tensor.item()
+
+
+def doctor(args: argparse.Namespace) -> int:
+    available = torch_dist.is_available()
+    rows = [
+        ("labkit", __version__),
+        ("python", platform.python_version()),
+        ("platform", platform.platform()),
+        ("torch", torch.__version__),
+        ("torch.distributed", "available" if available else "NOT available"),
+        ("gloo backend", "yes" if available and torch_dist.is_gloo_available() else "no"),
+        ("nccl backend", "yes" if available and torch_dist.is_nccl_available() else "no"),
+        ("mpi backend", "yes" if available and torch_dist.is_mpi_available() else "no"),
+        ("CUDA GPUs", str(dist.gpus_available())),
+        ("CPU cores", str(os.cpu_count())),
+        ("backend='auto' for 2 ranks", dist.resolve_backend("auto", 2)),
+    ]
+    for index in range(dist.gpus_available()):
+        rows.append((f"  cuda:{index}", torch.cuda.get_device_name(index)))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print("smoke test: 2-rank gloo all_reduce of [1] and [2] ... ", end="", flush=True)
+    start = time.perf_counter()
+    try:
+        results = launch.launch(_smoke_all_reduce, nprocs=2, backend="gloo", timeout=60.0)
+    except Exception as error:  # the doctor reports, it does not crash
+        print(f"FAILED\n{error}")
+        return 1
+    seconds = time.perf_counter() - start
+    if results != [3.0, 3.0]:
+        print(f"FAILED: expected [3.0, 3.0], got {results}")
+        return 1
+    print(f"ok ({results}, {seconds:.2f} s including process start)")
+    return 0
+
+
+def grade(args: argparse.Namespace) -> int:
+    directory = args.dir
+    if directory is not None and not Path(directory).is_dir():
+        print(f"labkit grade: --dir {directory!r} is not a directory", file=sys.stderr)
+        return 2
+
+    def progress(topic: str) -> None:
+        if not args.json:
+            print(f"grading {grading.EXERCISES[topic][0]} ...", file=sys.stderr, flush=True)
+
+    try:
+        reports = grading.grade_all(solutions=args.solutions or None, directory=directory, progress=progress)
+    except FileNotFoundError as error:
+        print(f"labkit grade: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        passed = sum(report.passed for report in reports)
+        total = sum(report.total for report in reports)
+        print(json.dumps({"passed": passed, "total": total,
+                          "exercises": [report.to_dict() for report in reports]}, indent=2))
+    else:
+        print(grading.format_table(reports))
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    scripts = sorted(folder.glob("bench_*.py")) if folder.is_dir() else []
+    if not scripts:
+        print(f"labkit bench: no benchmarks found in {folder} (they ship with the repository)", file=sys.stderr)
+        return 2
+    if args.names:
+        unknown = [name for name in args.names if not (folder / f"bench_{name}.py").is_file()]
+        if unknown:
+            known = ", ".join(script.stem.removeprefix("bench_") for script in scripts)
+            print(f"labkit bench: unknown benchmark(s) {unknown}; known: {known}", file=sys.stderr)
+            return 2
+        scripts = [folder / f"bench_{name}.py" for name in args.names]
+    status = 0
+    for script in scripts:
+        print(f"\n=== {script.stem.removeprefix('bench_')} ({script.name}) ===", flush=True)
+        command = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
+        status |= subprocess.call(command)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="labkit", description="labkit: learn distributed training by building it.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("doctor", help="check this machine and run a 2-rank smoke test").set_defaults(run=doctor)
+    grade_parser = commands.add_parser("grade", help="score every exercise")
+    grade_parser.add_argument("--solutions", action="store_true", help="grade solutions/ instead of exercises/")
+    grade_parser.add_argument("--dir", metavar="PATH", help="grade the exercise files in this folder")
+    grade_parser.add_argument("--json", action="store_true", help="print JSON (for an instructor's tooling)")
+    grade_parser.set_defaults(run=grade)
+    bench_parser = commands.add_parser("bench", help="run the benchmarks against PyTorch's built-ins")
+    bench_parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    bench_parser.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    bench_parser.set_defaults(run=bench)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
