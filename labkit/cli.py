@@ -25,13 +25,16 @@ import torch.distributed as torch_dist
 from labkit import __version__, dist, grading, launch
 
 
-def _smoke_all_reduce() -> float:
-    tensor = torch.tensor([float(torch_dist.get_rank() + 1)])
+def _smoke_all_reduce() -> tuple[float, str]:
+    device = dist.device()
+    tensor = torch.tensor([float(torch_dist.get_rank() + 1)], device=device)
     torch_dist.all_reduce(tensor)
-    return tensor.item()
+    return tensor.item(), str(device)
 
 
 def doctor(args: argparse.Namespace) -> int:
+    """Print what this machine offers, then all-reduce once over 2 gloo ranks (or over the torchrun job)."""
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     available = torch_dist.is_available()
     rows = [
         ("labkit", __version__),
@@ -48,21 +51,32 @@ def doctor(args: argparse.Namespace) -> int:
     ]
     for index in range(dist.gpus_available()):
         rows.append((f"  cuda:{index}", torch.cuda.get_device_name(index)))
+    if under_torchrun:
+        rows.append(("torchrun job", f"RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']}"))
     width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    print("smoke test: 2-rank gloo all_reduce of [1] and [2] ... ", end="", flush=True)
+    if dist.is_main():
+        for name, value in rows:
+            print(f"{name:<{width}}  {value}")
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else 2
+    expected = float(world * (world + 1) // 2)
+    if dist.is_main():
+        where = "this torchrun job's" if under_torchrun else "2 gloo"
+        print(f"smoke test: all_reduce of each rank's (rank + 1) over {where} ranks ... ", end="", flush=True)
     start = time.perf_counter()
     try:
-        results = launch.launch(_smoke_all_reduce, nprocs=2, backend="gloo", timeout=60.0)
+        results = launch.launch(_smoke_all_reduce, nprocs=world, backend="auto" if under_torchrun else "gloo",
+                                timeout=60.0)
     except Exception as error:  # the doctor reports, it does not crash
         print(f"FAILED\n{error}")
         return 1
     seconds = time.perf_counter() - start
-    if results != [3.0, 3.0]:
-        print(f"FAILED: expected [3.0, 3.0], got {results}")
+    values = [value for value, _device in results]
+    if values != [expected] * world:
+        print(f"FAILED: expected {[expected] * world}, got {values}")
         return 1
-    print(f"ok ({results}, {seconds:.2f} s including process start)")
+    if dist.is_main():
+        devices = sorted({device for _value, device in results})
+        print(f"ok ({values}, on {', '.join(devices)}, {seconds:.2f} s including process start)")
     return 0
 
 

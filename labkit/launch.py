@@ -35,6 +35,7 @@ How it works, and what it guarantees:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import faulthandler
@@ -157,12 +158,18 @@ def _run_in_place(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int
         if chosen == "nccl":
             torch.cuda.set_device(dist.local_rank())
         torch_dist.init_process_group(chosen, init_method="env://")
+        atexit.register(_destroy_group_at_exit)  # a live group at interpreter exit can abort the process
     if nprocs != dist.world_size() and dist.is_main():
         print(f"labkit.launch: running on the job's {dist.world_size()} ranks (nprocs={nprocs} ignored)")
     result = _to_cpu(fn(*args, **kwargs))
     gathered: list[Any] = [None] * dist.world_size()
     torch_dist.all_gather_object(gathered, result)
     return gathered
+
+
+def _destroy_group_at_exit() -> None:
+    if dist.is_initialized():
+        torch_dist.destroy_process_group()
 
 
 def _start_method(backend: str, fn: Callable, args: tuple, kwargs: dict) -> str:

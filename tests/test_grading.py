@@ -139,7 +139,16 @@ def test_labkit_grade_rejects_a_missing_directory():
 def test_labkit_doctor_runs_the_smoke_test():
     completed = _labkit("doctor")
     assert completed.returncode == 0, completed.stdout + completed.stderr
-    assert "torch" in completed.stdout and "smoke test" in completed.stdout and "ok ([3.0, 3.0]" in completed.stdout
+    assert "torch" in completed.stdout and "smoke test" in completed.stdout and "ok ([3.0, 3.0], on cpu" in completed.stdout
+
+
+def test_labkit_doctor_under_torchrun_checks_the_whole_job():
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+               "-m", "labkit.cli", "doctor"]
+    completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert completed.stdout.count("smoke test") == 1  # only rank 0 prints
+    assert "torchrun job" in completed.stdout and "ok ([6.0, 6.0, 6.0]" in completed.stdout
 
 
 def test_labkit_bench_rejects_an_unknown_benchmark():
