@@ -4,6 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.labkit-installed
 PYTEST_ARGS ?=
+# Jupyter refuses to run as root (containers, CI) unless told to.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test bench lint doctor grade clean-venv
 
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml
 
 lab: $(STAMP)  ## open the course in JupyterLab (prints the URL; never needs a browser)
 	@echo "Starting JupyterLab on notebooks/ — open the http://127.0.0.1:... URL printed below."
-	$(BIN)/jupyter lab --no-browser --ip=127.0.0.1 --notebook-dir=notebooks
+	$(BIN)/jupyter lab --no-browser --ip=127.0.0.1 --notebook-dir=notebooks $(ALLOW_ROOT)
 
 test: $(STAMP)  ## unit + distributed + grading tests, then every notebook under nbval (solutions mode)
 	LABKIT_SOLUTIONS=1 $(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \

@@ -38,6 +38,7 @@ def _sum_of_ranks(offset, scale=1):
 
 def _fail_on(rank_to_fail, pid_dir):
     (pid_dir / f"{torch_dist.get_rank()}.pid").write_text(str(os.getpid()))
+    torch_dist.barrier()  # every rank has written its pid before one of them fails
     if torch_dist.get_rank() == rank_to_fail:
         raise ValueError(f"boom on rank {rank_to_fail}")
     torch_dist.barrier()  # the healthy ranks would wait here for ever
@@ -314,11 +315,12 @@ def test_under_torchrun_launch_runs_in_place_and_gathers_every_ranks_result(tmp_
         def f():
             return (dist.rank(), dist.world_size(), dist.local_rank())
         results = launch.launch(f, nprocs=2)
-        print(f"RESULT {dist.rank()} {results}")
+        with open(f"{__file__}.{dist.rank()}.out", "w") as out:  # ranks share stdout: lines may interleave
+            out.write(f"RESULT {dist.rank()} {results}")
     """))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert completed.returncode == 0, completed.stderr
-    lines = sorted(line for line in completed.stdout.splitlines() if line.startswith("RESULT"))
+    lines = [(tmp_path / f"job.py.{rank}.out").read_text() for rank in range(2)]
     assert lines == [f"RESULT {r} [(0, 2, 0), (1, 2, 1)]" for r in range(2)]
