@@ -238,42 +238,50 @@ class _Launcher:
     def _collect(self) -> list[Any]:
         results: list[Any] = [None] * self.nprocs
         finished: set[int] = set()
+        failures: dict[int, tuple[str, bool]] = {}  # rank -> (what happened, did the process die?)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while len(finished) < self.nprocs:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+        grace_end = None
+        while len(finished) + len(failures) < self.nprocs:
+            now = time.monotonic()
+            if grace_end is not None and now >= grace_end:
+                break
+            if deadline is not None and now >= deadline and not failures:
                 stuck = [rank for rank in range(self.nprocs) if rank not in finished]
                 stacks = self._stacks_of(stuck)
                 raise CollectiveTimeout(self.timeout, stuck, sorted(finished), stacks, self.pids)
-            sentinels = {self.processes[rank].sentinel: rank for rank in range(self.nprocs) if rank not in finished}
-            readers = {reader: rank for rank, reader in self.readers.items()}
-            ready = wait(list(readers) + list(sentinels), timeout=remaining)
-            failures: list[tuple[int, str]] = []
+            limits = [limit - now for limit in (deadline, grace_end) if limit is not None]
+            open_ranks = [rank for rank in range(self.nprocs) if rank not in finished and rank not in failures]
+            sentinels = {self.processes[rank].sentinel: rank for rank in open_ranks}
+            readers = {self.readers[rank]: rank for rank in open_ranks if rank in self.readers}
+            ready = wait(list(readers) + list(sentinels), timeout=min(limits) if limits else None)
+            # Messages first, then exits: a rank that reported and then exited has reported.
             for handle in ready:
                 if handle in readers:
-                    rank = readers[handle]
-                    for kind, payload in self._drain(rank):
-                        if kind == "result":
-                            results[rank] = pickle.loads(payload)
-                            finished.add(rank)
-                        elif kind == "error":
-                            failures.append((rank, payload))
+                    self._take(readers[handle], results, finished, failures)
             for handle in ready:
                 rank = sentinels.get(handle)
-                if rank is not None and rank not in finished and not any(r == rank for r, _ in failures):
-                    for kind, payload in self._drain(rank):
-                        if kind == "result":
-                            results[rank] = pickle.loads(payload)
-                            finished.add(rank)
-                        elif kind == "error":
-                            failures.append((rank, payload))
-                    if rank not in finished and not any(r == rank for r, _ in failures):
-                        failures.append((rank, _describe_exit(self.processes[rank].exitcode)))
-            if failures:
-                first_rank, first_traceback = failures[0]
-                others = sorted({rank for rank, _ in failures[1:]} - {first_rank})
-                raise RankFailed(first_rank, first_traceback, self.pids, others)
+                if rank is not None and rank not in finished and rank not in failures:
+                    self._take(rank, results, finished, failures)
+                    if rank not in finished and rank not in failures:
+                        self.processes[rank].join(1.0)  # the sentinel can fire a moment before the exit code is in
+                        failures[rank] = (_describe_exit(self.processes[rank].exitcode), True)
+            if failures and grace_end is None:
+                # One failure often makes its peers fail too (their connections to it break).  Listen a moment
+                # longer, then blame the root cause rather than whichever report arrived first.
+                grace_end = time.monotonic() + 1.0
+        if failures:
+            culprit = _root_cause(failures)
+            others = sorted(set(failures) - {culprit})
+            raise RankFailed(culprit, failures[culprit][0], self.pids, others)
         return results
+
+    def _take(self, rank: int, results: list[Any], finished: set[int], failures: dict) -> None:
+        for kind, payload in self._drain(rank):
+            if kind == "result":
+                results[rank] = pickle.loads(payload)
+                finished.add(rank)
+            elif kind == "error":
+                failures[rank] = (payload, False)
 
     def _drain(self, rank: int) -> list[tuple[str, Any]]:
         """Read every message waiting on a rank's pipe; print/collect output, return results and errors."""
@@ -517,6 +525,21 @@ def _die_with_parent(parent_pid: int) -> None:
             return
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+_PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
+                       "DistNetworkError", "Socket Timeout", "NCCL communicator was aborted")
+
+
+def _root_cause(failures: dict[int, tuple[str, bool]]) -> int:
+    """The rank to blame: one whose process died, else one whose error is not a broken connection to a peer,
+    else the lowest rank."""
+    died = [rank for rank, (_text, dead) in failures.items() if dead]
+    if died:
+        return min(died)
+    original = [rank for rank, (text, _dead) in failures.items()
+                if not any(sign in text for sign in _PEER_FAILURE_SIGNS)]
+    return min(original) if original else min(failures)
 
 
 def _describe_exit(exitcode: int | None) -> str:
