@@ -54,3 +54,82 @@ def test_why_distributed_explorer_redraws_when_a_slider_moves():
     gpu_slider = explorer.children[0].children[0].children[2]
     gpu_slider.value = 1024
     assert bytes(picture.value).startswith(b"\x89PNG") and bytes(picture.value) != bytes(first)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lesson 01 figures, fed by real recorded runs
+
+
+def _record_ring(segment_bytes):
+    import torch
+    import torch.distributed as torch_dist
+
+    from labkit.collectives import ring_all_reduce
+
+    record = []
+    ring_all_reduce(torch.arange(12.0) + torch_dist.get_rank(), record=record, segment_bytes=segment_bytes)
+    return record
+
+
+@pytest.fixture(scope="module")
+def ring_records():
+    from labkit.launch import launch
+
+    return {(n, segments): [entry for rank in launch(_record_ring, 12 // n * 4 // segments, nprocs=n) for entry in rank]
+            for n in (2, 3, 4) for segments in (1, 2)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_replay_of_a_real_run_finishes_every_chunk_on_every_rank(ring_records, world_size):
+    states, sends = plots.ring_states(ring_records[(world_size, 1)], world_size)
+    assert len(states) == 2 * (world_size - 1) + 1 and len(sends) == 2 * (world_size - 1)
+    assert all(owners == frozenset(range(world_size)) for owners in states[-1].values())
+    after_reduce_scatter = states[world_size - 1]
+    for (rank, chunk, _segment), owners in after_reduce_scatter.items():
+        assert (len(owners) == world_size) == (rank == chunk), (rank, chunk, owners)
+
+
+def test_ring_replay_with_segments_keeps_segments_apart(ring_records):
+    states, _ = plots.ring_states(ring_records[(3, 2)], 3)
+    assert {segment for (_r, _c, segment) in states[0]} == {0, 1}
+    assert all(owners == frozenset(range(3)) for owners in states[-1].values())
+
+
+def test_ring_step_figure_rejects_a_step_out_of_range(ring_records):
+    states, sends = plots.ring_states(ring_records[(2, 1)], 2)
+    assert isinstance(plots.plot_ring_step(states, sends, 2, 0), Figure)
+    with pytest.raises(ValueError, match="step"):
+        plots.plot_ring_step(states, sends, 2, len(states))
+
+
+def test_collective_pictures_and_bandwidth_plots_are_labelled():
+    assert len(plots.plot_collective_states(4).axes) == 8
+    figure = plots.plot_bandwidth([1024, 4096], {"measured": [1e9, 2e9]}, {"model": [1.5e9, 2.5e9]})
+    assert figure.axes[0].get_ylabel() == "bus bandwidth (GB/s)" and "bytes" in figure.axes[0].get_xlabel()
+    timing = plots.plot_time_against_ranks([2, 4], {"ring": [0.001, 0.002]})
+    assert "ms" in timing.axes[0].get_ylabel()
+
+
+def test_ring_explorer_redraws_for_each_world_size_and_step(ring_records):
+    explorer = widgets.ring_all_reduce_explorer(ring_records)
+    world_choice, _segments, step_slider = explorer.children[0].children
+    picture = explorer.children[2]
+    seen = set()
+    for world_size in (2, 4):
+        world_choice.value = world_size
+        assert step_slider.max == 2 * (world_size - 1)
+        step_slider.value = step_slider.max
+        seen.add(bytes(picture.value))
+    assert len(seen) == 2
+    with pytest.raises(ValueError, match="records"):
+        widgets.ring_all_reduce_explorer({})
+
+
+def test_alpha_beta_explorer_draws_every_link():
+    from labkit.collectives import LinkModel
+
+    explorer = widgets.alpha_beta_explorer({"slow": LinkModel(50e-6, 1e-9), "fast": LinkModel(5e-6, 1e-11)})
+    link_choice, _ranks = explorer.children[0].children
+    first = bytes(explorer.children[1].value)
+    link_choice.value = "fast"
+    assert bytes(explorer.children[1].value) != first

@@ -9,11 +9,13 @@ import sys
 import pytest
 
 from labkit import grading
+from labkit.grading.checkers import collectives as collectives_checks
 from labkit.grading.checkers import setup as setup_checks
 from tests.conftest import REPO
 
 WRONG = REPO / "tests" / "wrong_answers"
 SETUP_CHECKS = [grading.check_name(check) for check in setup_checks.CHECKS]
+COLLECTIVES_CHECKS = [grading.check_name(check) for check in collectives_checks.CHECKS]
 
 
 def _failed(report: grading.Report) -> set[str]:
@@ -41,15 +43,19 @@ def test_the_untouched_stub_gets_zero(topic):
 
 
 @pytest.mark.parametrize(
-    ("folder", "caught_by"),
+    ("topic", "folder", "caught_by"),
     [
-        ("setup_unbalanced", {SETUP_CHECKS[1]}),
-        ("setup_no_all_reduce", {SETUP_CHECKS[2]}),
-        ("setup_mean_of_means", {SETUP_CHECKS[3]}),
+        ("setup", "setup_unbalanced", {SETUP_CHECKS[1]}),
+        ("setup", "setup_no_all_reduce", {SETUP_CHECKS[2]}),
+        ("setup", "setup_mean_of_means", {SETUP_CHECKS[3]}),
+        ("collectives", "collectives_wrong_chunk", set(COLLECTIVES_CHECKS) - {COLLECTIVES_CHECKS[1]}),
+        ("collectives", "collectives_missed_step", set(COLLECTIVES_CHECKS) - {COLLECTIVES_CHECKS[1]}),
+        ("collectives", "collectives_all_gather_missed_step", set(COLLECTIVES_CHECKS) - {COLLECTIVES_CHECKS[0]}),
+        ("collectives", "collectives_built_in", {COLLECTIVES_CHECKS[3]}),
     ],
 )
-def test_plausible_wrong_answers_fail_exactly_the_check_that_catches_them(folder, caught_by):
-    report = grading.check("setup", directory=WRONG / folder, verbose=False)
+def test_plausible_wrong_answers_fail_exactly_the_checks_that_catch_them(topic, folder, caught_by):
+    report = grading.check(topic, directory=WRONG / folder, verbose=False)
     assert _failed(report) == caught_by
 
 
@@ -129,6 +135,7 @@ def test_labkit_grade_table_scores_a_folder_of_student_files():
     assert completed.returncode == 0, completed.stderr
     assert "00_setup.py" in completed.stdout and "3/4" in completed.stdout
     assert "✗ " + SETUP_CHECKS[1] in completed.stdout
+    assert "01_collectives.py" in completed.stdout and "no 01_collectives.py in" in completed.stdout  # missing: 0
 
 
 def test_labkit_grade_rejects_a_missing_directory():

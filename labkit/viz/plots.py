@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 
+from matplotlib import patches as matplotlib_patches
 from matplotlib.figure import Figure
 
 from labkit import costmodel
@@ -68,3 +69,166 @@ def figure_to_png(figure: Figure, dpi: int = 90) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Lesson 01: collectives
+
+RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+
+
+def _cell(axis, x: float, y: float, text: str, color: str, alpha: float = 1.0) -> None:
+    axis.add_patch(matplotlib_patches.Rectangle((x, y), 0.92, 0.8, facecolor=color, alpha=alpha,
+                                                edgecolor="black", linewidth=0.6))
+    axis.text(x + 0.46, y + 0.4, text, ha="center", va="center", fontsize=8)
+
+
+def plot_collective_states(world_size: int = 4) -> Figure:
+    """Who holds what before and after all-reduce, reduce-scatter, all-gather and broadcast.
+
+    Rows are ranks, columns are the ``world_size`` chunks of one tensor.  ``a2`` is chunk ``a`` of rank 2's
+    input; ``Σa`` is chunk ``a`` summed over every rank; an empty cell holds nothing useful.
+    """
+    letters = "abcdefgh"[:world_size]
+    summed = "#B0B0B0"
+    layouts = {
+        "all-reduce": (lambda r, c: (f"{letters[c]}{r}", RANK_COLORS[r]),
+                       lambda r, c: (f"Σ{letters[c]}", summed)),
+        "reduce-scatter": (lambda r, c: (f"{letters[c]}{r}", RANK_COLORS[r]),
+                           lambda r, c: (f"Σ{letters[c]}", summed) if r == c else ("", "white")),
+        "all-gather": (lambda r, c: (f"{letters[c]}{r}", RANK_COLORS[r]) if r == c else ("", "white"),
+                       lambda r, c: (f"{letters[c]}{c}", RANK_COLORS[c])),
+        "broadcast (from rank 0)": (lambda r, c: (f"{letters[c]}0", RANK_COLORS[0]) if r == 0 else ("", "white"),
+                                    lambda r, c: (f"{letters[c]}0", RANK_COLORS[0])),
+    }
+    figure = Figure(figsize=(10, 1.0 + 0.45 * world_size * len(layouts)))
+    axes = figure.subplots(len(layouts), 2)
+    for row, (name, (before, after)) in enumerate(layouts.items()):
+        for column, (label, layout) in enumerate((("before", before), ("after", after))):
+            axis = axes[row][column]
+            for rank in range(world_size):
+                for chunk in range(world_size):
+                    text, color = layout(rank, chunk)
+                    _cell(axis, chunk, world_size - 1 - rank, text, color, 0.75 if color != "white" else 1.0)
+            axis.set_xlim(-0.1, world_size)
+            axis.set_ylim(-0.1, world_size)
+            axis.set_yticks([world_size - 1 - rank + 0.4 for rank in range(world_size)],
+                            [f"rank {rank}" for rank in range(world_size)], fontsize=8)
+            axis.set_xticks([])
+            axis.set_title(f"{name}: {label}", fontsize=9)
+            for side in ("top", "right", "bottom", "left"):
+                axis.spines[side].set_visible(False)
+    figure.tight_layout()
+    return figure
+
+
+def ring_states(records: Sequence[dict], world_size: int) -> tuple[list[dict], list[list[dict]]]:
+    """Replay recorded sends of a ring all-reduce: the state of every rank's chunks after each step.
+
+    Returns ``(states, sends)``: ``states[t][(rank, chunk, segment)]`` is the set of ranks whose data that piece
+    of that rank's buffer contains after ``t`` steps, and ``sends[t]`` the records sent during step ``t``.  Steps
+    count reduce-scatter steps first, then all-gather steps.  In reduce-scatter the receiver *adds* what it gets;
+    in all-gather it *overwrites*.
+    """
+    ring_records = [r for r in records if r["phase"] in ("reduce-scatter", "all-gather")]
+    offset = world_size - 1
+    steps = 2 * (world_size - 1)
+    sends: list[list[dict]] = [[] for _ in range(steps)]
+    pieces = set()
+    for record in ring_records:
+        global_step = record["step"] + (offset if record["phase"] == "all-gather" else 0)
+        sends[global_step].append(record)
+        pieces.add((record["chunk"], record.get("segment", 0)))
+    state = {(rank, chunk, segment): frozenset([rank]) for rank in range(world_size) for chunk, segment in pieces}
+    states = [dict(state)]
+    for step_sends in sends:
+        before = states[-1]
+        after = dict(before)
+        for record in step_sends:
+            piece = (record["chunk"], record.get("segment", 0))
+            incoming = before[(record["src"], *piece)]
+            key = (record["dst"], *piece)
+            after[key] = incoming if record["phase"] == "all-gather" else after[key] | incoming
+        states.append(after)
+    return states, sends
+
+
+def plot_ring_step(states: Sequence[dict], sends: Sequence[Sequence[dict]], world_size: int, step: int) -> Figure:
+    """One frame of the ring all-reduce animation: every rank's chunks after ``step`` steps, and the sends of
+    the next step as arrows (from the recorded run).  A cell's label lists the ranks whose data it holds
+    (``Σ``: all of them); its colour is its chunk's, deeper as contributions accumulate."""
+    if not 0 <= step < len(states):
+        raise ValueError(f"step must be in 0..{len(states) - 1}, got {step}")
+    state = states[step]
+    pieces = sorted({(chunk, segment) for (_rank, chunk, segment) in state})
+    figure = Figure(figsize=(9, 0.9 + 0.75 * world_size))
+    axis = figure.subplots()
+    for rank in range(world_size):
+        y = world_size - 1 - rank
+        for column, (chunk, segment) in enumerate(pieces):
+            owners = state[(rank, chunk, segment)]
+            complete = len(owners) == world_size
+            label = "Σ" if complete else "+".join(str(owner) for owner in sorted(owners))
+            # hue: the chunk (rank c finishes chunk c); depth: how many ranks' data it already holds
+            _cell(axis, column, y, label, RANK_COLORS[chunk % len(RANK_COLORS)], 0.12 + 0.88 * len(owners) / world_size)
+    upcoming = sends[step] if step < len(sends) else []
+    for record in upcoming:
+        column = pieces.index((record["chunk"], record.get("segment", 0)))
+        y_from = world_size - 1 - record["src"] + 0.4
+        y_to = world_size - 1 - record["dst"] + 0.4
+        bend = 0.25 if record["dst"] == (record["src"] + 1) % world_size else -0.4
+        axis.annotate("", xy=(column + 0.8, y_to), xytext=(column + 0.8, y_from),
+                      arrowprops={"arrowstyle": "->", "color": "black", "connectionstyle": f"arc3,rad={bend}"})
+    axis.set_xlim(-0.1, len(pieces) + 0.3)
+    axis.set_ylim(-0.2, world_size)
+    axis.set_yticks([world_size - 1 - rank + 0.4 for rank in range(world_size)],
+                    [f"rank {rank}" for rank in range(world_size)])
+    segments = len({segment for _chunk, segment in pieces})
+    axis.set_xticks([column + 0.46 for column in range(len(pieces))],
+                    [f"c{chunk}" + (f".{segment}" if segments > 1 else "") for chunk, segment in pieces], fontsize=8)
+    phase = "start" if step == 0 else ("reduce-scatter" if step <= world_size - 1 else "all-gather")
+    total = len(states) - 1
+    sent = sum(record["bytes"] for record in upcoming)
+    axis.set_title(f"after step {step}/{total} ({phase}); arrows: the {len(upcoming)} sends of the next step "
+                   f"({sent} bytes)" if upcoming else f"after step {step}/{total} ({phase}): done", fontsize=10)
+    for side in ("top", "right"):
+        axis.spines[side].set_visible(False)
+    figure.tight_layout()
+    return figure
+
+
+def plot_bandwidth(sizes_bytes: Sequence[int], measured: dict[str, Sequence[float]],
+                   predicted: dict[str, Sequence[float]] | None = None,
+                   title: str = "Bus bandwidth against message size") -> Figure:
+    """Bus bandwidth (GB/s) against message size, measured (solid, dots) beside the model (dashed)."""
+    figure = Figure(figsize=(7, 4))
+    axis = figure.subplots()
+    for index, (label, values) in enumerate(measured.items()):
+        axis.semilogx(sizes_bytes, [v / 1e9 for v in values], marker="o", color=RANK_COLORS[index], label=label)
+    for index, (label, values) in enumerate((predicted or {}).items()):
+        axis.semilogx(sizes_bytes, [v / 1e9 for v in values], linestyle="--", color=RANK_COLORS[index], label=label)
+    axis.set_xlabel("message size (bytes)")
+    axis.set_ylabel("bus bandwidth (GB/s)")
+    axis.set_title(title)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def plot_time_against_ranks(ranks: Sequence[int], measured: dict[str, Sequence[float]],
+                            predicted: dict[str, Sequence[float]] | None = None,
+                            title: str = "All-reduce time against the number of ranks") -> Figure:
+    """Seconds per collective against the number of ranks, measured (solid) beside the model (dashed)."""
+    figure = Figure(figsize=(7, 4))
+    axis = figure.subplots()
+    for index, (label, values) in enumerate(measured.items()):
+        axis.plot(ranks, [v * 1e3 for v in values], marker="o", color=RANK_COLORS[index], label=label)
+    for index, (label, values) in enumerate((predicted or {}).items()):
+        axis.plot(ranks, [v * 1e3 for v in values], linestyle="--", color=RANK_COLORS[index], label=label)
+    axis.set_xlabel("ranks (N)")
+    axis.set_ylabel("time per all-reduce (ms)")
+    axis.set_xticks(list(ranks))
+    axis.set_title(title)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    return figure

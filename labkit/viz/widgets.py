@@ -35,3 +35,61 @@ def why_distributed_explorer(parameters: float = 7e9, tokens: float = 2e12, gpus
     controls = widgets.HBox([widgets.VBox([parameter_slider, token_slider, gpu_slider]),
                              widgets.VBox([gpu_choice, mfu_slider])])
     return widgets.VBox([controls, picture])
+
+
+def ring_all_reduce_explorer(records: dict[tuple[int, int], list[dict]]) -> widgets.VBox:
+    """Step through ring all-reduces that really ran: ``records[(world_size, segments)]`` holds every rank's
+    recorded sends for that run.  Sliders pick N, the segments per chunk and the step."""
+    if not records:
+        raise ValueError("records is empty: record at least one run of ring_all_reduce")
+    world_sizes = sorted({world_size for world_size, _ in records})
+    world_choice = widgets.Dropdown(options=world_sizes, value=world_sizes[-1], description="ranks N")
+    segment_slider = widgets.IntSlider(min=1, max=max(s for _, s in records), value=1, description="segments")
+    step_slider = widgets.IntSlider(min=0, max=2 * (world_sizes[-1] - 1), value=0, description="step")
+    picture = widgets.Image(format="png")
+    caption = widgets.HTML()
+
+    def redraw(_change=None) -> None:
+        world_size = world_choice.value
+        available = sorted(s for n, s in records if n == world_size)
+        segments = min(available, key=lambda s: abs(s - segment_slider.value))
+        step_slider.max = 2 * (world_size - 1)
+        states, sends = plots.ring_states(records[(world_size, segments)], world_size)
+        figure = plots.plot_ring_step(states, sends, world_size, min(step_slider.value, step_slider.max))
+        picture.value = plots.figure_to_png(figure)
+        caption.value = (f"<small>recorded run: {world_size} ranks, each chunk cut into {segments} segment(s); "
+                         f"{len(records[(world_size, segments)])} messages in all</small>")
+
+    for control in (world_choice, segment_slider, step_slider):
+        control.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox([world_choice, segment_slider, step_slider]), caption, picture])
+
+
+def alpha_beta_explorer(links: dict, world_size: int = 8) -> widgets.VBox:
+    """Pick a link (alpha, beta) and a number of ranks: predicted all-reduce time and bus bandwidth against
+    message size for the ring and the parameter server (``links``: name -> ``collectives.LinkModel``)."""
+    from labkit import collectives  # imported here: collectives is only needed by lesson 01's widgets
+
+    link_choice = widgets.Dropdown(options=list(links), description="link")
+    rank_slider = widgets.IntSlider(value=world_size, min=2, max=64, description="ranks N")
+    picture = widgets.Image(format="png")
+
+    def redraw(_change=None) -> None:
+        link = links[link_choice.value]
+        n = rank_slider.value
+        sizes = [4 ** k for k in range(3, 15)]  # 64 B .. 256 MiB
+        costs = {"ring": collectives.ring_all_reduce_cost, "parameter server": collectives.naive_all_reduce_cost}
+        predicted = {f"{name} (model), N={n}": [collectives.bus_bandwidth(size, cost(size, n, link).time_s, n)
+                                                for size in sizes]
+                     for name, cost in costs.items()}
+        predicted["link bandwidth 1/beta"] = [link.bandwidth_bytes_per_s] * len(sizes)
+        figure = plots.plot_bandwidth(sizes, {}, predicted,
+                                      title=f"{link_choice.value}: alpha = {link.alpha_s * 1e6:.1f} us, "
+                                            f"1/beta = {link.bandwidth_bytes_per_s / 1e9:.1f} GB/s")
+        picture.value = plots.figure_to_png(figure)
+
+    for control in (link_choice, rank_slider):
+        control.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox([link_choice, rank_slider]), picture])
