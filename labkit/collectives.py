@@ -389,6 +389,43 @@ def naive_all_reduce(tensor: torch.Tensor, op: object = "sum", group: dist.Proce
     return tensor
 
 
+def tree_all_reduce(tensor: torch.Tensor, op: object = "sum", group: dist.ProcessGroup | None = None,
+                    record: list | None = None) -> torch.Tensor:
+    """All-reduce over a binomial tree: reduce up to group rank 0, then :func:`broadcast` back down.  In place;
+    returns ``tensor``.
+
+    In reduce round ``k`` (``mask = 2^k``) every rank whose relative number has bit ``k`` set sends its partial
+    sum to the rank ``mask`` below and drops out; the receivers add.  ``ceil(log2 N)`` rounds up, as many down:
+    time ``2 ceil(log2 N) (alpha + n beta)``.  Fewer, larger steps than the ring's ``2 (N-1)``: the tree wins when
+    alpha dominates (small messages, many ranks), the ring when bandwidth does — which is why NCCL uses both.
+    """
+    _check_tensor(tensor, record)
+    average = _average(op, tensor)
+    ring = _ring_of(group)
+    with torch.no_grad():
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        flat = work.view(-1)
+        if ring.world_size > 1 and flat.numel() > 0:
+            incoming = torch.empty_like(flat)
+            mask, step = 1, 0
+            while mask < ring.world_size:
+                if ring.rank & mask:  # send my partial sum down the tree, and I am done with this phase
+                    ring.isend(flat, ring.rank - mask, record, "tree_all_reduce", "reduce", step, 0).wait()
+                    break
+                if ring.rank + mask < ring.world_size:
+                    ring.irecv(incoming, ring.rank + mask).wait()
+                    flat.add_(incoming)
+                mask, step = mask << 1, step + 1
+            if average and ring.rank == 0:
+                flat.div_(ring.world_size)
+            broadcast(flat, src=0, group=group, record=record)
+        elif average:
+            flat.div_(ring.world_size)
+        if work is not tensor:
+            tensor.copy_(work)
+    return tensor
+
+
 # --------------------------------------------------------------------------------------------------------
 # The alpha-beta cost model
 
@@ -479,6 +516,14 @@ def tree_broadcast_cost(nbytes: int, world_size: int, link: LinkModel = LinkMode
             if relative + distance < world_size and nbytes > 0:
                 sent[(relative + src) % world_size] += nbytes
     return CollectiveCost(rounds * (link.alpha_s + nbytes * link.beta_s_per_byte) if nbytes else 0.0, rounds, sent)
+
+
+def tree_all_reduce_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel()) -> CollectiveCost:
+    """Binomial-tree all-reduce: reduce to rank 0 (every other rank sends ``n`` once), then a tree broadcast.
+    ``2 ceil(log2 N)`` rounds of the whole message: time ``2 ceil(log2 N) (alpha + n beta)``."""
+    down = tree_broadcast_cost(nbytes, world_size, link, src=0)
+    up = [nbytes if rank > 0 and nbytes > 0 else 0 for rank in range(world_size)]
+    return CollectiveCost(2 * down.time_s, 2 * down.steps, [a + b for a, b in zip(up, down.bytes_sent, strict=True)])
 
 
 _BUS_FACTORS = {

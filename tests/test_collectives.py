@@ -25,6 +25,7 @@ from labkit.collectives import (
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
+    tree_all_reduce,
 )
 from labkit.launch import launch
 
@@ -35,7 +36,7 @@ SHAPES = ((), (0,), (1,), (7,), (3, 5), (1000,), (4097,))
 # pipelined segments — more than there are receive slots, so the slots are reused.
 SEGMENT_BYTES = (None, 200)
 RECORD_NUMELS = (0, 1, 5, 1001)  # byte-count checks: empty, fewer elements than ranks, uneven chunks
-FUNCTIONS = ("ring_all_reduce", "naive_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast",
+FUNCTIONS = ("ring_all_reduce", "naive_all_reduce", "tree_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast",
              "returns_its_input", "subgroup")
 
 
@@ -122,6 +123,10 @@ def _every_case_on_this_rank() -> dict:
                         naive_all_reduce(ours, op=op)
                         check("naive_all_reduce", case, ours.contiguous(), reference)
 
+                        ours = _with_layout(x, layout)
+                        tree_all_reduce(ours, op=op)
+                        check("tree_all_reduce", case, ours.contiguous(), reference)
+
                         # Reduce-scatter: torch's reduce_scatter_tensor when chunks are equal, else the
                         # all-reduce result's chunk.
                         ours = _with_layout(x, layout)
@@ -164,7 +169,8 @@ def _every_case_on_this_rank() -> dict:
         x = _values((10,), torch.float32, seed=rank)
         reference = x.clone()
         dist.all_reduce(reference, op=op)
-        for name, function in (("ring_all_reduce", ring_all_reduce), ("naive_all_reduce", naive_all_reduce)):
+        for name, function in (("ring_all_reduce", ring_all_reduce), ("naive_all_reduce", naive_all_reduce),
+                               ("tree_all_reduce", tree_all_reduce)):
             ours = function(x.clone(), op=op)
             check(name, f"op={op}", ours, reference)
         check("ring_reduce_scatter", f"op={op}", ring_reduce_scatter(x.clone(), op=op),
@@ -176,6 +182,7 @@ def _every_case_on_this_rank() -> dict:
         if rank in members:
             x = _values((101,), torch.float32, seed=rank)
             for name, function in (("ring_all_reduce", ring_all_reduce), ("naive_all_reduce", naive_all_reduce),
+                                   ("tree_all_reduce", tree_all_reduce),
                                    ("broadcast", lambda tensor, group: broadcast(tensor, src=1, group=group))):
                 reference = x.clone()
                 if name == "broadcast":
@@ -199,6 +206,7 @@ def _bytes_sent_by_this_rank() -> dict[tuple[str, int, str], int]:
                 "ring_reduce_scatter": lambda x, record: ring_reduce_scatter(x, record=record, segment_bytes=64),
                 "ring_all_gather": lambda x, record: ring_all_gather(x, record=record, segment_bytes=64),
                 "naive_all_reduce": lambda x, record: naive_all_reduce(x, record=record),
+                "tree_all_reduce": lambda x, record: tree_all_reduce(x, record=record),
                 "broadcast from 0": lambda x, record: broadcast(x, src=0, record=record),
                 f"broadcast from {world_size - 1}": lambda x, record: broadcast(x, src=world_size - 1, record=record),
             }
@@ -290,6 +298,7 @@ def test_cost_model_bytes_equal_bytes_actually_sent(reports, world_size, numel, 
         "ring_reduce_scatter": collectives.ring_reduce_scatter_cost(nbytes, world_size, element_size=element_size),
         "ring_all_gather": collectives.ring_all_gather_cost(nbytes, world_size, element_size=element_size),
         "naive_all_reduce": collectives.naive_all_reduce_cost(nbytes, world_size),
+        "tree_all_reduce": collectives.tree_all_reduce_cost(nbytes, world_size),
         "broadcast from 0": collectives.tree_broadcast_cost(nbytes, world_size, src=0),
         f"broadcast from {world_size - 1}": collectives.tree_broadcast_cost(nbytes, world_size, src=world_size - 1),
     }
@@ -412,3 +421,18 @@ def test_a_root_outside_the_group_or_a_zero_segment_is_a_value_error():
     errors = launch(_bad_calls_inside_a_job, nprocs=2, timeout=30, rank_output="none")[0]
     assert "src" in errors and "0..1" in errors["src"] and "2" in errors["src"], errors
     assert "segment_bytes" in errors and "0" in errors["segment_bytes"], errors
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_tree_all_reduce_matches_torch(reports, world_size):
+    _assert_no_failures(reports, world_size, "tree_all_reduce")
+
+
+def test_the_tree_beats_the_ring_for_small_messages_and_loses_for_large_ones():
+    link = LinkModel(alpha_s=20e-6, beta_s_per_byte=1e-10)
+    small, large = 1024, 256 << 20
+    assert (collectives.tree_all_reduce_cost(small, 64, link).time_s
+            < collectives.ring_all_reduce_cost(small, 64, link).time_s)
+    assert (collectives.tree_all_reduce_cost(large, 64, link).time_s
+            > collectives.ring_all_reduce_cost(large, 64, link).time_s)
+    assert collectives.tree_all_reduce_cost(small, 64, link).steps == 12  # 2 log2(64)

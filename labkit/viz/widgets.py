@@ -67,8 +67,8 @@ def ring_all_reduce_explorer(records: dict[tuple[int, int], list[dict]]) -> widg
 
 
 def alpha_beta_explorer(links: dict, world_size: int = 8) -> widgets.VBox:
-    """Pick a link (alpha, beta) and a number of ranks: predicted all-reduce time and bus bandwidth against
-    message size for the ring and the parameter server (``links``: name -> ``collectives.LinkModel``)."""
+    """Pick a link (alpha, beta) and a number of ranks: predicted all-reduce bus bandwidth against message size
+    for the ring, the parameter server and the binomial tree (``links``: name -> ``collectives.LinkModel``)."""
     from labkit import collectives  # imported here: collectives is only needed by lesson 01's widgets
 
     link_choice = widgets.Dropdown(options=list(links), description="link")
@@ -79,7 +79,8 @@ def alpha_beta_explorer(links: dict, world_size: int = 8) -> widgets.VBox:
         link = links[link_choice.value]
         n = rank_slider.value
         sizes = [4 ** k for k in range(3, 15)]  # 64 B .. 256 MiB
-        costs = {"ring": collectives.ring_all_reduce_cost, "parameter server": collectives.naive_all_reduce_cost}
+        costs = {"ring": collectives.ring_all_reduce_cost, "parameter server": collectives.naive_all_reduce_cost,
+                 "binomial tree": collectives.tree_all_reduce_cost}
         predicted = {f"{name} (model), N={n}": [collectives.bus_bandwidth(size, cost(size, n, link).time_s, n)
                                                 for size in sizes]
                      for name, cost in costs.items()}
