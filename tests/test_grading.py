@@ -10,12 +10,14 @@ import pytest
 
 from labkit import grading
 from labkit.grading.checkers import collectives as collectives_checks
+from labkit.grading.checkers import data_parallel as data_parallel_checks
 from labkit.grading.checkers import setup as setup_checks
 from tests.conftest import REPO
 
 WRONG = REPO / "tests" / "wrong_answers"
 SETUP_CHECKS = [grading.check_name(check) for check in setup_checks.CHECKS]
 COLLECTIVES_CHECKS = [grading.check_name(check) for check in collectives_checks.CHECKS]
+DATA_PARALLEL_CHECKS = [grading.check_name(check) for check in data_parallel_checks.CHECKS]
 
 
 def _failed(report: grading.Report) -> set[str]:
@@ -52,6 +54,10 @@ def test_the_untouched_stub_gets_zero(topic):
         ("collectives", "collectives_missed_step", set(COLLECTIVES_CHECKS) - {COLLECTIVES_CHECKS[1]}),
         ("collectives", "collectives_all_gather_missed_step", set(COLLECTIVES_CHECKS) - {COLLECTIVES_CHECKS[0]}),
         ("collectives", "collectives_built_in", {COLLECTIVES_CHECKS[3]}),
+        ("data_parallel", "data_parallel_no_broadcast", {DATA_PARALLEL_CHECKS[0], DATA_PARALLEL_CHECKS[2]}),
+        ("data_parallel", "data_parallel_params_only", {DATA_PARALLEL_CHECKS[0], DATA_PARALLEL_CHECKS[2]}),
+        ("data_parallel", "data_parallel_sum_not_average", {DATA_PARALLEL_CHECKS[1], DATA_PARALLEL_CHECKS[2]}),
+        ("data_parallel", "data_parallel_buckets_forward", {DATA_PARALLEL_CHECKS[3]}),
     ],
 )
 def test_plausible_wrong_answers_fail_exactly_the_checks_that_catch_them(topic, folder, caught_by):

@@ -34,6 +34,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
     "setup": ("00_setup.py", "labkit.grading.checkers.setup", "Ranks, shards and your first all-reduce"),
     "collectives": ("01_collectives.py", "labkit.grading.checkers.collectives",
                     "Ring reduce-scatter, all-gather and all-reduce from send/recv"),
+    "data_parallel": ("02_data_parallel.py", "labkit.grading.checkers.data_parallel",
+                      "Data parallelism: broadcast, the averaging hook, buckets"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0
