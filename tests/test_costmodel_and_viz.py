@@ -133,3 +133,55 @@ def test_alpha_beta_explorer_draws_every_link():
     first = bytes(explorer.children[1].value)
     link_choice.value = "fast"
     assert bytes(explorer.children[1].value) != first
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lesson 02: the data-parallel step model, timelines, scaling
+
+
+def _link():
+    from labkit.collectives import LinkModel
+
+    return LinkModel(alpha_s=100e-6, beta_s_per_byte=1 / 1.5e9)
+
+
+def test_without_overlap_all_communication_is_exposed():
+    step = costmodel.ddp_step_time(0.02, 0.04, 0.005, [10_000_000] * 4, 2, _link(), overlap=False)
+    assert step.exposed_communication_s == pytest.approx(step.communication_s)
+    assert step.step_s == pytest.approx(0.065 + step.communication_s)
+
+
+def test_overlap_hides_all_but_the_last_bucket_when_backward_is_long_enough():
+    buckets = [10_000_000] * 4
+    step = costmodel.ddp_step_time(0.02, 1.0, 0.005, buckets, 2, _link(), overlap=True)
+    last = costmodel.ddp_step_time(0.0, 0.0, 0.0, buckets[-1:], 2, _link(), overlap=False).communication_s
+    assert step.exposed_communication_s == pytest.approx(last)
+
+
+def test_communication_longer_than_backward_cannot_be_hidden():
+    step = costmodel.ddp_step_time(0.0, 0.001, 0.0, [100_000_000] * 8, 4, _link(), overlap=True)
+    assert step.exposed_communication_s >= step.communication_s - 0.001
+
+
+def test_one_rank_communicates_nothing_and_bad_input_is_rejected():
+    assert costmodel.ddp_step_time(0.01, 0.02, 0.0, [1_000_000], 1, _link()).communication_s == 0.0
+    with pytest.raises(ValueError, match="world_size"):
+        costmodel.ddp_step_time(0.01, 0.02, 0.0, [1_000_000], 0, _link())
+    with pytest.raises(ValueError, match=">= 0"):
+        costmodel.ddp_step_time(-0.01, 0.02, 0.0, [1_000_000], 2, _link())
+
+
+def test_timeline_and_scaling_plots_are_labelled():
+    from labkit.trace import Span
+
+    spans = [Span(0, "backward", "compute", 0.0, 0.01), Span(0, "all-reduce", "comm", 0.005, 0.012),
+             Span(1, "backward", "compute", 0.0, 0.011)]
+    figure = plots.plot_timeline(spans)
+    assert figure.axes[0].get_xlabel() == "time (ms)"
+    assert [label.get_text() for label in figure.axes[0].get_yticklabels()] == ["rank 0", "rank 1"]
+    with pytest.raises(ValueError, match="no spans"):
+        plots.plot_timeline([])
+    scaling = plots.plot_scaling([1, 2, 4], [100.0, 180.0, 200.0], predicted=[100.0, 190.0, 300.0])
+    assert "efficiency" in scaling.axes[1].get_ylabel()
+    heights = [patch.get_height() for patch in scaling.axes[1].patches]
+    assert heights == pytest.approx([100.0, 90.0, 50.0])

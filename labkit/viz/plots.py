@@ -232,3 +232,59 @@ def plot_time_against_ranks(ranks: Sequence[int], measured: dict[str, Sequence[f
     axis.legend(fontsize=8)
     figure.tight_layout()
     return figure
+
+
+# --------------------------------------------------------------------------------------------------------
+# Lesson 02: timelines and scaling
+
+KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "idle": "#B0B0B0"}
+
+
+def plot_timeline(spans: Sequence, title: str = "What each rank was doing", ax=None) -> Figure:
+    """Per-rank timeline from ``labkit.trace`` spans: a compute lane and a communication lane per rank, so
+    overlap (a bucket all-reduce running while backward computes) shows as bars stacked in time."""
+    if not spans:
+        raise ValueError("no spans to draw: enable labkit.trace and run something first")
+    figure = Figure(figsize=(10, 0.6 + 0.9 * len({s.rank for s in spans}))) if ax is None else ax.figure
+    axis = figure.subplots() if ax is None else ax
+    ranks = sorted({s.rank for s in spans})
+    lanes = {"compute": 0.45, "idle": 0.45, "comm": 0.0}
+    for position, rank in enumerate(ranks):
+        base = (len(ranks) - 1 - position) * 1.2
+        for span in (s for s in spans if s.rank == rank):
+            axis.broken_barh([(span.start_s * 1e3, max(span.seconds * 1e3, 0.02))], (base + lanes[span.kind], 0.4),
+                             facecolors=KIND_COLORS[span.kind], edgecolor="black", linewidth=0.3)
+    axis.set_yticks([(len(ranks) - 1 - position) * 1.2 + 0.425 for position in range(len(ranks))],
+                    [f"rank {rank}" for rank in ranks])
+    axis.set_xlabel("time (ms)")
+    axis.set_title(title)
+    handles = [matplotlib_patches.Patch(color=color, label=kind) for kind, color in KIND_COLORS.items()
+               if any(s.kind == kind for s in spans)]
+    axis.legend(handles=handles, loc="upper right", fontsize=8)
+    if ax is None:
+        figure.tight_layout()
+    return figure
+
+
+def plot_scaling(ranks: Sequence[int], throughput: Sequence[float], predicted: Sequence[float] | None = None,
+                 unit: str = "samples/s", title: str = "Throughput and scaling efficiency") -> Figure:
+    """Measured throughput against ranks (and the model's), with scaling efficiency = T(N) / (N T(1))."""
+    figure = Figure(figsize=(10, 3.8))
+    throughput_axis, efficiency_axis = figure.subplots(1, 2)
+    throughput_axis.plot(ranks, throughput, marker="o", label="measured")
+    throughput_axis.plot(ranks, [throughput[0] * n / ranks[0] for n in ranks], linestyle="--", color="gray",
+                         label="perfect scaling")
+    if predicted is not None:
+        throughput_axis.plot(ranks, predicted, linestyle=":", marker="x", label="cost model")
+    throughput_axis.set_xlabel("ranks (N)")
+    throughput_axis.set_ylabel(f"throughput ({unit})")
+    throughput_axis.set_xticks(list(ranks))
+    throughput_axis.legend(fontsize=8)
+    efficiency = [t / (throughput[0] * n / ranks[0]) for n, t in zip(ranks, throughput, strict=True)]
+    efficiency_axis.bar([str(n) for n in ranks], [100 * e for e in efficiency], color="#55A868")
+    efficiency_axis.axhline(100, color="gray", linestyle="--")
+    efficiency_axis.set_xlabel("ranks (N)")
+    efficiency_axis.set_ylabel("scaling efficiency (%)")
+    figure.suptitle(title)
+    figure.tight_layout()
+    return figure
