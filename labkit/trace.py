@@ -46,15 +46,18 @@ class Span:
 _lock = threading.Lock()
 _spans: list[Span] = []
 _origin: float | None = None  # None: recording is off
+_pending = 0  # asynchronous collectives recorded whose completion callback has not run yet
+_settled = threading.Condition(_lock)
 
 
 def enable(barrier: bool = True) -> None:
     """Start recording on this rank (clearing earlier spans).  With ``barrier``, all ranks start together."""
-    global _origin
+    global _origin, _pending
     if barrier and torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.barrier()
     with _lock:
         _spans.clear()
+        _pending = 0
         _origin = time.perf_counter()
 
 
@@ -113,19 +116,31 @@ def record_async(work, name: str, kind: str = "comm") -> None:
     """
     if _origin is None or work is None:
         return
+    global _pending
     start = now()
     future = work.get_future()
+    with _lock:
+        _pending += 1
 
     def finished(_future):
+        global _pending
         add(name, kind, start, now())
+        with _lock:
+            _pending -= 1
+            _settled.notify_all()
         return None
 
     future.then(finished)
 
 
-def spans() -> list[Span]:
-    """This rank's spans so far, in the order they ended."""
+def spans(settle_timeout_s: float = 5.0) -> list[Span]:
+    """This rank's spans so far, in the order they ended.
+
+    Completion callbacks of asynchronous collectives run on the backend's thread and may lag behind the
+    ``wait()`` that returned; this waits (up to ``settle_timeout_s``) until every recorded one has reported.
+    """
     with _lock:
+        _settled.wait_for(lambda: _pending == 0, timeout=settle_timeout_s)
         return list(_spans)
 
 

@@ -58,6 +58,7 @@ def test_the_untouched_stub_gets_zero(topic):
         ("data_parallel", "data_parallel_params_only", {DATA_PARALLEL_CHECKS[0], DATA_PARALLEL_CHECKS[2]}),
         ("data_parallel", "data_parallel_sum_not_average", {DATA_PARALLEL_CHECKS[1], DATA_PARALLEL_CHECKS[2]}),
         ("data_parallel", "data_parallel_buckets_forward", {DATA_PARALLEL_CHECKS[3]}),
+        ("data_parallel", "data_parallel_buckets_overflow", {DATA_PARALLEL_CHECKS[3]}),
     ],
 )
 def test_plausible_wrong_answers_fail_exactly_the_checks_that_catch_them(topic, folder, caught_by):
@@ -167,3 +168,13 @@ def test_labkit_doctor_under_torchrun_checks_the_whole_job():
 def test_labkit_bench_rejects_an_unknown_benchmark():
     completed = _labkit("bench", "no-such-benchmark")
     assert completed.returncode == 2 and "unknown benchmark" in completed.stderr
+
+
+def test_the_bucket_exercise_teaches_the_rule_labkit_ddp_uses():
+    import torch
+
+    from labkit.ddp import assign_buckets
+
+    for sizes, cap, expected in data_parallel_checks.BUCKET_CASES:
+        parameters = [(str(index), torch.zeros(size, dtype=torch.uint8)) for index, size in enumerate(sizes)]
+        assert assign_buckets(parameters, cap) == expected, (sizes, cap)

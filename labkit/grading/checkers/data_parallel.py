@@ -142,22 +142,23 @@ def check_training_matches_single_process(module) -> None:
 
 BUCKET_CASES = [
     ([4, 4, 4, 4, 4], 8, [[4, 3], [2, 1], [0]]),
+    ([4, 4, 4], 8, [[2, 1], [0]]),  # a bucket may reach the cap exactly
     ([4, 4, 4, 4, 4], 0, [[4], [3], [2], [1], [0]]),
     ([4, 4, 4, 4, 4], 1000, [[4, 3, 2, 1, 0]]),
-    ([100, 1, 1, 1, 100], 50, [[4], [3, 2, 1, 0]]),
-    ([10, 20, 30], 25, [[2], [1, 0]]),
+    ([100, 1, 1, 1, 100], 50, [[4], [3, 2, 1], [0]]),  # a parameter larger than the cap sits alone
+    ([10, 20, 30], 25, [[2], [1], [0]]),
     ([8], 4, [[0]]),
     ([], 8, []),
 ]
 
 
 def check_buckets(module) -> None:
-    """assign_buckets fills buckets from the last parameter to the first, closing each at the cap"""
+    """assign_buckets fills buckets from the last parameter to the first, never past the cap"""
     for sizes, cap, expected in BUCKET_CASES:
         got = module.assign_buckets(list(sizes), cap)
         if got != expected:
             raise CheckFailed(f"assign_buckets({sizes}, {cap}) returned {got}, expected {expected} (walk the "
-                              "parameters from last to first; close a bucket once it holds >= the cap)")
+                              "parameters from last to first; close a bucket before a parameter that would push it past the cap)")
 
 
 for _check_fn in (check_broadcast, check_gradients_are_averaged, check_training_matches_single_process):

@@ -31,23 +31,24 @@ def average_gradient_hook(parameter: torch.Tensor) -> None:
 
 
 def assign_buckets(sizes_in_bytes: list[int], bucket_cap_bytes: int) -> list[list[int]]:
-    """Group parameter indices into buckets for all-reduce.
+    """Group parameter indices into buckets for all-reduce, as ``labkit.ddp`` does.
 
     Walk the parameters from the *last* to the first (gradients become ready in roughly that order during
-    backward), adding each to the current bucket; as soon as the current bucket holds at least
-    ``bucket_cap_bytes``, close it and start a new one.  A bucket cap of 0 therefore gives one bucket per
-    parameter.  Return the buckets in the order they were filled, each listing indices in the order added.
+    backward), adding each to the current bucket — unless it would push a non-empty bucket past
+    ``bucket_cap_bytes``: then close the bucket and start a new one with it.  So a bucket never exceeds the cap,
+    except a single parameter larger than the cap, which gets a bucket of its own; a cap of 0 gives one bucket
+    per parameter.  Return the buckets in the order they were filled, each listing indices in the order added.
     Example: sizes [4, 4, 4, 4, 4] with cap 8 -> [[4, 3], [2, 1], [0]].
     """
     buckets: list[list[int]] = []
     current: list[int] = []
     filled = 0
     for index in reversed(range(len(sizes_in_bytes))):
-        current.append(index)
-        filled += sizes_in_bytes[index]
-        if filled >= bucket_cap_bytes:
+        if current and filled + sizes_in_bytes[index] > bucket_cap_bytes:
             buckets.append(current)
             current, filled = [], 0
+        current.append(index)
+        filled += sizes_in_bytes[index]
     if current:
         buckets.append(current)
     return buckets

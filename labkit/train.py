@@ -1,0 +1,217 @@
+"""``python -m labkit.train`` — one trainer, every strategy chosen by a flag.
+
+On a laptop (gloo, N forked ranks)::
+
+    python -m labkit.train --strategy single --model tiny-gpt --steps 200
+    python -m labkit.train --strategy ddp --nprocs 2 --model tiny-gpt --steps 200
+
+On GPUs (NCCL, one process per GPU; ``torchrun`` sets RANK/WORLD_SIZE and the trainer runs in place)::
+
+    torchrun --nproc_per_node=8 -m labkit.train --strategy ddp --model tiny-gpt --preset 10m --steps 1000
+
+The workload is :class:`labkit.models.TinyGPT` on text from :class:`labkit.data.MarkovChain`, whose best possible
+loss (the entropy rate) is printed beside the loss so progress has a floor to aim at; or
+:class:`labkit.models.TinyMLP` on Gaussian blobs.  Each rank samples its own batches (seed + rank), so the
+*global* batch is ``--batch-size x ranks``.  Rank 0 prints progress with every rank's loss and saves the
+checkpoint (atomically: write a temporary file, then rename).  Later lessons add strategies to this same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from labkit import data, dist, launch
+from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
+
+STRATEGIES = ("single", "ddp")
+MODELS = ("tiny-gpt", "tiny-mlp")
+
+
+@dataclass
+class TrainConfig:
+    strategy: str = "single"
+    model: str = "tiny-gpt"
+    preset: str = "100k"
+    steps: int = 200
+    batch_size: int = 16  # per rank
+    lr: float = 3e-3
+    seed: int = 0
+    bucket_cap_mb: float = 25.0
+    log_every: int = 20
+    checkpoint: str | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad value, before any process starts."""
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"--model must be one of {MODELS}, got {self.model!r}")
+        if self.model == "tiny-gpt":
+            GPTConfig.preset(self.preset)  # raises on an unknown preset
+        for name in ("steps", "batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.bucket_cap_mb < 0:
+            raise ValueError(f"--bucket-cap-mb must be >= 0, got {self.bucket_cap_mb}")
+
+
+def build(config: TrainConfig) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], float | None]:
+    """The model, a function ``step -> (inputs, targets)`` drawing this rank's batch, and the loss floor."""
+    generator = torch.Generator().manual_seed(data.seed_for_rank(config.seed, dist.rank()))
+    if config.model == "tiny-gpt":
+        model_config = GPTConfig.preset(config.preset)
+        model = TinyGPT(model_config, seed=config.seed)
+        chain = data.MarkovChain(seed=config.seed)
+        tokens = chain.sample(200_000, seed=config.seed)
+
+        def batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return data.batches(tokens, config.batch_size, model_config.block_size, generator)
+
+        return model, batch, chain.entropy_rate()
+    classes = 4
+    samples = data.make_classification(4096, 16, classes, seed=config.seed)
+    model = TinyMLP(MLPConfig(in_features=16, hidden_sizes=(64, 64), num_classes=classes), seed=config.seed)
+
+    def batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.randint(len(samples), (config.batch_size,), generator=generator)
+        return samples.tensors[0][index], samples.tensors[1][index]
+
+    return model, batch, None
+
+
+def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    output = model(inputs, targets) if isinstance(getattr(model, "module", model), TinyGPT) else model(inputs)
+    if isinstance(output, tuple):
+        return output[1]
+    return nn.functional.cross_entropy(output, targets)
+
+
+def train(config: TrainConfig) -> dict:
+    """Run on every rank (or alone): returns this rank's loss history, step time and a parameter checksum."""
+    device = dist.device()
+    model, batch, floor = build(config)
+    model = model.to(device)
+    if config.strategy == "ddp":
+        if not dist.is_initialized():
+            raise ValueError("--strategy ddp needs several ranks: pass --nprocs N, or run under torchrun")
+        from labkit.ddp import DistributedDataParallel
+
+        model = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    world = dist.world_size()
+    if dist.is_main():
+        size = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        print(f"labkit.train: {config.strategy} on {world} rank(s) ({dist.backend() or 'no process group'}, "
+              f"{device}); {config.model} {size:,} parameters; global batch {config.batch_size * world}"
+              + (f"; loss floor {floor:.3f} nats" if floor is not None else ""), flush=True)
+    history: list[float] = []
+    start = time.perf_counter()
+    for step in range(1, config.steps + 1):
+        inputs, targets = (tensor.to(device) for tensor in batch(step))
+        loss = _loss(model, inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        history.append(loss.item())
+        if step % config.log_every == 0 or step == config.steps:
+            _log(step, config, loss.detach(), floor, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    unwrapped = getattr(model, "module", model)
+    if config.checkpoint and dist.is_main():
+        save_checkpoint(config.checkpoint, unwrapped, optimizer, config.steps, config)
+    if dist.is_initialized():
+        torch_dist.barrier()  # nobody reads the checkpoint before it exists
+    checksum = float(sum(p.detach().double().sum() for p in unwrapped.parameters()))
+    return {"rank": dist.rank(), "losses": history, "ms_per_step": 1e3 * seconds / config.steps,
+            "checksum": checksum}
+
+
+def _log(step: int, config: TrainConfig, loss: torch.Tensor, floor: float | None, elapsed: float) -> None:
+    """Gather every rank's loss to rank 0 and print one progress line there."""
+    if dist.is_initialized():
+        losses = [torch.zeros_like(loss) for _ in range(dist.world_size())]
+        torch_dist.all_gather(losses, loss)
+    else:
+        losses = [loss]
+    if not dist.is_main():
+        return
+    values = [value.item() for value in losses]
+    done = step / config.steps
+    bar = "#" * round(20 * done) + "." * (20 - round(20 * done))
+    mean = sum(values) / len(values)
+    per_rank = " ".join(f"{value:.3f}" for value in values) if len(values) > 1 else ""
+    gap = f", {mean - floor:+.3f} above the floor" if floor is not None else ""
+    print(f"[{bar}] step {step:>5}/{config.steps} loss {mean:.4f}{gap}"
+          + (f" | per rank: {per_rank}" if per_rank else "")
+          + f" | {1e3 * elapsed / step:.1f} ms/step", flush=True)
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                    config: TrainConfig) -> None:
+    """Write atomically: a crash mid-write leaves the previous checkpoint intact, never a truncated file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "config": asdict(config)}, partial)
+    os.replace(partial, path)
+    print(f"checkpoint saved to {path} (rank 0 only)", flush=True)
+
+
+def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
+    parser = argparse.ArgumentParser(prog="python -m labkit.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", default="single", help=f"one of {', '.join(STRATEGIES)}")
+    parser.add_argument("--model", default="tiny-gpt", help=f"one of {', '.join(MODELS)}")
+    parser.add_argument("--preset", default="100k", help="TinyGPT size: 100k, 1m, 10m or 50m")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--checkpoint", default=None, help="file rank 0 saves the final state to")
+    parser.add_argument("--nprocs", type=int, default=None,
+                        help="ranks to fork on this machine (default: 2 for ddp, 1 for single; ignored under torchrun)")
+    args = parser.parse_args(argv)
+    nprocs = args.nprocs if args.nprocs is not None else (2 if args.strategy == "ddp" else 1)
+    config = TrainConfig(**{key: value for key, value in vars(args).items() if key != "nprocs"})
+    config.validate()
+    if nprocs < 1:
+        raise ValueError(f"--nprocs must be >= 1, got {nprocs}")
+    return config, nprocs
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, nprocs = parse_arguments(argv)
+    except ValueError as error:
+        print(f"labkit.train: {error}", file=sys.stderr)
+        return 2
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if config.strategy == "single" and not under_torchrun and nprocs == 1:
+        results = [train(config)]
+    else:
+        results = launch.launch(train, config, nprocs=nprocs, timeout=None)
+    if dist.is_main():
+        final = [result["losses"][-1] for result in results]
+        same = len({round(result["checksum"], 6) for result in results}) == 1
+        print(f"done: final loss {sum(final) / len(final):.4f}; "
+              f"{results[0]['ms_per_step']:.1f} ms/step; replicas identical: {'yes' if same else 'NO'}")
+    return 0 if not math.isnan(results[0]["losses"][-1]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
