@@ -185,3 +185,21 @@ def test_timeline_and_scaling_plots_are_labelled():
     assert "efficiency" in scaling.axes[1].get_ylabel()
     heights = [patch.get_height() for patch in scaling.axes[1].patches]
     assert heights == pytest.approx([100.0, 90.0, 50.0])
+
+
+def test_ddp_step_explorer_redraws_and_reports_efficiency():
+    from labkit.collectives import LinkModel
+
+    explorer = widgets.ddp_step_explorer({"slow": LinkModel(50e-6, 1 / 1.25e9), "fast": LinkModel(5e-6, 1 / 400e9)})
+    summary, picture = explorer.children[1], explorer.children[2]
+    assert "scaling efficiency" in summary.value
+    first = bytes(picture.value)
+    explorer.children[0].children[1].children[1].value = "fast"
+    assert bytes(picture.value) != first
+
+
+def test_step_breakdown_shows_hidden_communication():
+    hidden = costmodel.ddp_step_time(0.02, 1.0, 0.005, [10_000_000] * 4, 2, _link(), overlap=True)
+    figure = plots.plot_step_breakdown({"overlap": hidden})
+    labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert "hidden communication" in labels and figure.axes[0].get_xlabel() == "time per step (ms)"

@@ -256,11 +256,12 @@ def plot_timeline(spans: Sequence, title: str = "What each rank was doing", ax=N
                              facecolors=KIND_COLORS[span.kind], edgecolor="black", linewidth=0.3)
     axis.set_yticks([(len(ranks) - 1 - position) * 1.2 + 0.425 for position in range(len(ranks))],
                     [f"rank {rank}" for rank in ranks])
+    axis.set_ylim(-0.2, (len(ranks) - 1) * 1.2 + 1.6)  # headroom for the legend above the top rank
     axis.set_xlabel("time (ms)")
     axis.set_title(title)
     handles = [matplotlib_patches.Patch(color=color, label=kind) for kind, color in KIND_COLORS.items()
                if any(s.kind == kind for s in spans)]
-    axis.legend(handles=handles, loc="upper right", fontsize=8)
+    axis.legend(handles=handles, loc="upper right", fontsize=8, ncols=len(handles))
     if ax is None:
         figure.tight_layout()
     return figure
@@ -286,5 +287,33 @@ def plot_scaling(ranks: Sequence[int], throughput: Sequence[float], predicted: S
     efficiency_axis.set_xlabel("ranks (N)")
     efficiency_axis.set_ylabel("scaling efficiency (%)")
     figure.suptitle(title)
+    figure.tight_layout()
+    return figure
+
+
+def plot_step_breakdown(steps: dict, title: str = "Where a data-parallel step's time goes") -> Figure:
+    """Stacked bars (ms) of forward, backward, exposed communication and optimizer per labelled
+    ``costmodel.DataParallelStep``; the hidden (overlapped) communication is drawn hatched beside them."""
+    figure = Figure(figsize=(11, 1.2 + 0.55 * len(steps)))
+    axis = figure.subplots()
+    parts = [("forward", "forward_s", "#4C72B0"), ("backward", "backward_s", "#55A868"),
+             ("exposed communication", "exposed_communication_s", "#DD8452"), ("optimizer", "optimizer_s", "#8172B3")]
+    labels = list(steps)
+    for row, label in enumerate(labels):
+        step, left = steps[label], 0.0
+        for name, attribute, color in parts:
+            width = getattr(step, attribute) * 1e3
+            axis.barh(row, width, left=left, color=color, label=name if row == 0 else None)
+            left += width
+        hidden = (step.communication_s - step.exposed_communication_s) * 1e3
+        if hidden > 0:
+            start = (step.forward_s + step.backward_s) * 1e3 - hidden
+            axis.barh(row, hidden, left=start, height=0.25, color="none", edgecolor="#DD8452", hatch="///",
+                      label="hidden communication" if row == 0 else None)
+    axis.set_yticks(range(len(labels)), labels)
+    axis.invert_yaxis()
+    axis.set_xlabel("time per step (ms)")
+    axis.set_title(title)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     return figure

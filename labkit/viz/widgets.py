@@ -94,3 +94,47 @@ def alpha_beta_explorer(links: dict, world_size: int = 8) -> widgets.VBox:
         control.observe(redraw, names="value")
     redraw()
     return widgets.VBox([widgets.HBox([link_choice, rank_slider]), picture])
+
+
+def ddp_step_explorer(links: dict, compute_ms: float = 60.0, parameters_m: float = 10.0) -> widgets.VBox:
+    """Data parallelism's step-time model: model size, ranks, link, buckets, overlap -> step breakdown and
+    scaling efficiency (``links``: name -> ``collectives.LinkModel``).  Compute is split 1 : 2 : 0.2 between
+    forward, backward and optimizer, per rank, at a fixed per-rank batch."""
+    from labkit import costmodel
+
+    parameter_slider = widgets.FloatLogSlider(value=parameters_m, base=10, min=-1, max=4, step=0.05,
+                                              description="params (M)", readout_format=".3g")
+    compute_slider = widgets.FloatLogSlider(value=compute_ms, base=10, min=0, max=4, step=0.05,
+                                            description="compute (ms)", readout_format=".3g")
+    rank_slider = widgets.IntSlider(value=8, min=2, max=1024, description="ranks N")
+    bucket_slider = widgets.FloatLogSlider(value=25, base=10, min=-1, max=3, step=0.1, description="bucket (MiB)",
+                                           readout_format=".2g")
+    link_choice = widgets.Dropdown(options=list(links), description="link")
+    picture = widgets.Image(format="png")
+    summary = widgets.HTML()
+
+    def redraw(_change=None) -> None:
+        link = links[link_choice.value]
+        gradient_bytes = int(parameter_slider.value * 1e6) * 4
+        cap = max(1, int(bucket_slider.value * 2**20))
+        buckets = [cap] * (gradient_bytes // cap) + ([gradient_bytes % cap] if gradient_bytes % cap else [])
+        total = compute_slider.value / 1e3
+        forward, backward, optimizer = total / 3.2, 2 * total / 3.2, 0.2 * total / 3.2
+        steps = {"1 rank (no communication)": costmodel.ddp_step_time(forward, backward, optimizer, buckets, 1, link)}
+        for overlap in (False, True):
+            label = f"N={rank_slider.value}, overlap {'on' if overlap else 'off'}"
+            steps[label] = costmodel.ddp_step_time(forward, backward, optimizer, buckets, rank_slider.value, link,
+                                                   overlap=overlap)
+        single = steps["1 rank (no communication)"].step_s
+        efficiency = {label: single / step.step_s for label, step in steps.items()}
+        summary.value = "<small>" + "; ".join(f"{label}: {100 * value:.0f}% scaling efficiency"
+                                              for label, value in list(efficiency.items())[1:]) + \
+            f"; {len(buckets)} bucket(s) of gradients, {gradient_bytes / 1e6:,.0f} MB per step</small>"
+        picture.value = plots.figure_to_png(plots.plot_step_breakdown(steps))
+
+    for control in (parameter_slider, compute_slider, rank_slider, bucket_slider, link_choice):
+        control.observe(redraw, names="value")
+    redraw()
+    controls = widgets.HBox([widgets.VBox([parameter_slider, compute_slider, rank_slider]),
+                             widgets.VBox([bucket_slider, link_choice])])
+    return widgets.VBox([controls, summary, picture])
