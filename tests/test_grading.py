@@ -11,6 +11,7 @@ import pytest
 from labkit import grading
 from labkit.grading.checkers import collectives as collectives_checks
 from labkit.grading.checkers import data_parallel as data_parallel_checks
+from labkit.grading.checkers import lr_scaling as lr_scaling_checks
 from labkit.grading.checkers import setup as setup_checks
 from tests.conftest import REPO
 
@@ -18,6 +19,7 @@ WRONG = REPO / "tests" / "wrong_answers"
 SETUP_CHECKS = [grading.check_name(check) for check in setup_checks.CHECKS]
 COLLECTIVES_CHECKS = [grading.check_name(check) for check in collectives_checks.CHECKS]
 DATA_PARALLEL_CHECKS = [grading.check_name(check) for check in data_parallel_checks.CHECKS]
+LR_SCALING_CHECKS = [grading.check_name(check) for check in lr_scaling_checks.CHECKS]
 
 
 def _failed(report: grading.Report) -> set[str]:
@@ -59,6 +61,12 @@ def test_the_untouched_stub_gets_zero(topic):
         ("data_parallel", "data_parallel_sum_not_average", {DATA_PARALLEL_CHECKS[1], DATA_PARALLEL_CHECKS[2]}),
         ("data_parallel", "data_parallel_buckets_forward", {DATA_PARALLEL_CHECKS[3]}),
         ("data_parallel", "data_parallel_buckets_overflow", {DATA_PARALLEL_CHECKS[3]}),
+        ("lr_scaling", "lr_scaling_warmup_from_zero", {LR_SCALING_CHECKS[3]}),
+        ("lr_scaling", "lr_scaling_ignores_accumulation", {LR_SCALING_CHECKS[0], LR_SCALING_CHECKS[2]}),
+        ("lr_scaling", "lr_scaling_lr_times_world_size", {LR_SCALING_CHECKS[2]}),
+        ("lr_scaling", "lr_scaling_warmup_off_by_one", {LR_SCALING_CHECKS[3]}),
+        ("lr_scaling", "lr_scaling_no_decay", {LR_SCALING_CHECKS[4]}),
+        ("lr_scaling", "lr_scaling_sqrt_rule", {LR_SCALING_CHECKS[1], LR_SCALING_CHECKS[2]}),
     ],
 )
 def test_plausible_wrong_answers_fail_exactly_the_checks_that_catch_them(topic, folder, caught_by):

@@ -36,6 +36,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                     "Ring reduce-scatter, all-gather and all-reduce from send/recv"),
     "data_parallel": ("02_data_parallel.py", "labkit.grading.checkers.data_parallel",
                       "Data parallelism: broadcast, the averaging hook, buckets"),
+    "lr_scaling": ("03_lr_scaling.py", "labkit.grading.checkers.lr_scaling",
+                   "Scaling the learning rate: the global batch, warmup and decay"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0
