@@ -12,6 +12,7 @@ from labkit import grading
 from labkit.grading.checkers import collectives as collectives_checks
 from labkit.grading.checkers import data_parallel as data_parallel_checks
 from labkit.grading.checkers import lr_scaling as lr_scaling_checks
+from labkit.grading.checkers import mixed_precision as mixed_precision_checks
 from labkit.grading.checkers import setup as setup_checks
 from tests.conftest import REPO
 
@@ -20,6 +21,7 @@ SETUP_CHECKS = [grading.check_name(check) for check in setup_checks.CHECKS]
 COLLECTIVES_CHECKS = [grading.check_name(check) for check in collectives_checks.CHECKS]
 DATA_PARALLEL_CHECKS = [grading.check_name(check) for check in data_parallel_checks.CHECKS]
 LR_SCALING_CHECKS = [grading.check_name(check) for check in lr_scaling_checks.CHECKS]
+MP = [grading.check_name(check) for check in mixed_precision_checks.CHECKS]
 
 
 def _failed(report: grading.Report) -> set[str]:
@@ -67,6 +69,12 @@ def test_the_untouched_stub_gets_zero(topic):
         ("lr_scaling", "lr_scaling_warmup_off_by_one", {LR_SCALING_CHECKS[3]}),
         ("lr_scaling", "lr_scaling_no_decay", {LR_SCALING_CHECKS[4]}),
         ("lr_scaling", "lr_scaling_sqrt_rule", {LR_SCALING_CHECKS[1], LR_SCALING_CHECKS[2]}),
+        ("mixed_precision", "mixed_precision_never_grows", {MP[2], MP[3]}),
+        ("mixed_precision", "mixed_precision_steps_on_overflow", {MP[1], MP[3]}),
+        ("mixed_precision", "mixed_precision_no_reset", {MP[2], MP[3]}),
+        ("mixed_precision", "mixed_precision_grows_every_step", {MP[2], MP[3]}),
+        ("mixed_precision", "mixed_precision_misses_nan", {MP[0], MP[3]}),
+        ("mixed_precision", "mixed_precision_multiplies", {MP[0], MP[3]}),
     ],
 )
 def test_plausible_wrong_answers_fail_exactly_the_checks_that_catch_them(topic, folder, caught_by):

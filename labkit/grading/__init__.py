@@ -38,6 +38,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                       "Data parallelism: broadcast, the averaging hook, buckets"),
     "lr_scaling": ("03_lr_scaling.py", "labkit.grading.checkers.lr_scaling",
                    "Scaling the learning rate: the global batch, warmup and decay"),
+    "mixed_precision": ("04_mixed_precision.py", "labkit.grading.checkers.mixed_precision",
+                        "Mixed precision: unscale, skip on overflow, the dynamic loss scale"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0

@@ -317,3 +317,77 @@ def plot_step_breakdown(steps: dict, title: str = "Where a data-parallel step's 
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     return figure
+
+
+# --------------------------------------------------------------------------------------------------------
+# Lesson 03: learning rates and batch sizes
+
+
+def plot_lr_schedules(schedules: dict[str, Sequence[float]], samples_per_step: dict[str, int] | None = None,
+                      title: str = "Learning-rate schedules") -> Figure:
+    """Learning rate against step (left) and against samples seen (right, when ``samples_per_step`` is
+    given: a larger global batch takes fewer, bigger steps through the same data)."""
+    figure = Figure(figsize=(11, 3.8))
+    step_axis, sample_axis = figure.subplots(1, 2)
+    for index, (label, values) in enumerate(schedules.items()):
+        color = RANK_COLORS[index % len(RANK_COLORS)]
+        step_axis.plot(range(1, len(values) + 1), values, color=color, label=label)
+        if samples_per_step:
+            per_step = samples_per_step[label]
+            sample_axis.plot([per_step * step for step in range(len(values))], values, color=color, label=label)
+    step_axis.set_xscale("log")
+    step_axis.set_xlabel("optimizer step (log scale)")
+    step_axis.set_ylabel("learning rate")
+    step_axis.set_title(title)
+    step_axis.legend(fontsize=8)
+    sample_axis.set_xlabel("samples seen")
+    sample_axis.set_ylabel("learning rate")
+    sample_axis.set_title("the same schedules against samples seen")
+    figure.tight_layout()
+    return figure
+
+
+def _smooth(values: Sequence[float], window: int) -> list[float]:
+    window = max(1, window)
+    smoothed, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        smoothed.append(total / min(index + 1, window))
+    return smoothed
+
+
+def plot_lr_experiment(results: dict[tuple[str, int], Sequence[float]], base_batch: int,
+                       floor: float | None = None) -> Figure:
+    """Training loss of the scaling experiment: one column per LR recipe, one line per batch multiple ``k``;
+    top row against samples seen, bottom row against optimizer steps (moving average over ~1/20 of a run).
+    The loss axis stops at 3.5 nats, so a diverging run leaves through the top of its panel."""
+    recipes = list(dict.fromkeys(recipe for recipe, _ in results))
+    multiples = sorted({k for _, k in results})
+    figure = Figure(figsize=(4 * len(recipes), 7))
+    axes = figure.subplots(2, len(recipes), squeeze=False)
+    for column, recipe in enumerate(recipes):
+        for index, k in enumerate(multiples):
+            losses = results.get((recipe, k))
+            if losses is None:
+                continue
+            smoothed = _smooth(losses, len(losses) // 20)
+            color = RANK_COLORS[index % len(RANK_COLORS)]
+            label = f"global batch {k * base_batch} ({k}x)"
+            axes[0][column].plot([(step + 1) * k * base_batch for step in range(len(losses))], smoothed,
+                                 color=color, label=label)
+            axes[1][column].plot(range(1, len(losses) + 1), smoothed, color=color, label=label)
+        for row, xlabel in enumerate(("samples seen", "optimizer step")):
+            axis = axes[row][column]
+            if floor is not None:
+                axis.axhline(floor, color="black", linestyle=":", linewidth=1)
+            axis.set_xlabel(xlabel)
+            axis.set_ylabel("training loss (nats)")
+            axis.set_ylim(0.0, max(3.5, (floor or 0.0) * 2))  # a diverging run leaves through the top
+            if row == 1:
+                axis.set_xscale("log")
+            axis.set_title(recipe if row == 0 else f"{recipe}, against steps", fontsize=10)
+        axes[0][column].legend(fontsize=7)
+    figure.tight_layout()
+    return figure

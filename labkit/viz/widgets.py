@@ -138,3 +138,43 @@ def ddp_step_explorer(links: dict, compute_ms: float = 60.0, parameters_m: float
     controls = widgets.HBox([widgets.VBox([parameter_slider, compute_slider, rank_slider]),
                              widgets.VBox([bucket_slider, link_choice])])
     return widgets.VBox([controls, summary, picture])
+
+
+def lr_schedule_explorer(base_lr: float = 0.01, base_batch: int = 16, total_samples: int = 65536) -> widgets.VBox:
+    """Base LR, batch multiples, warmup length and decay shape -> the scaled schedules, against steps and
+    against samples seen (lesson 03)."""
+    from labkit import schedules
+
+    lr_slider = widgets.FloatLogSlider(value=base_lr, base=10, min=-4, max=0, step=0.1, description="base LR")
+    multiples = widgets.SelectMultiple(options=[1, 2, 4, 8, 16, 32, 64, 128], value=(1, 4, 16, 64),
+                                       description="batch x", rows=4)
+    rule_choice = widgets.Dropdown(options=["linear", "sqrt", "none"], value="linear", description="rule")
+    warmup_slider = widgets.FloatSlider(value=0.2, min=0.0, max=0.9, step=0.05, description="warmup frac")
+    start_slider = widgets.FloatSlider(value=0.1, min=0.0, max=1.0, step=0.05, description="start factor")
+    decay_choice = widgets.Dropdown(options=["constant", "cosine", "linear", "step"], value="cosine",
+                                    description="decay")
+    picture = widgets.Image(format="png")
+
+    def redraw(_change=None) -> None:
+        curves, samples_per_step = {}, {}
+        for k in multiples.value:
+            global_batch = base_batch * k
+            total = max(1, total_samples // global_batch)
+            warmup = min(int(warmup_slider.value * total), total - 1)
+            peak = schedules.scaled_lr(lr_slider.value, base_batch, global_batch, rule=rule_choice.value)
+            step_size = max(1, (total - warmup) // 3)
+            label = f"batch {global_batch} ({k}x)"
+            curves[label] = [peak * schedules.lr_factor(step, total, warmup, start_slider.value, decay_choice.value,
+                                                         step_size=step_size)
+                             for step in range(total)]
+            samples_per_step[label] = global_batch
+        if curves:
+            picture.value = plots.figure_to_png(plots.plot_lr_schedules(
+                curves, samples_per_step, title=f"{rule_choice.value} rule, {decay_choice.value} decay"))
+
+    for control in (lr_slider, multiples, rule_choice, warmup_slider, start_slider, decay_choice):
+        control.observe(redraw, names="value")
+    redraw()
+    controls = widgets.HBox([widgets.VBox([lr_slider, rule_choice, decay_choice]),
+                             widgets.VBox([warmup_slider, start_slider]), multiples])
+    return widgets.VBox([controls, picture])
