@@ -203,3 +203,48 @@ def test_step_breakdown_shows_hidden_communication():
     figure = plots.plot_step_breakdown({"overlap": hidden})
     labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
     assert "hidden communication" in labels and figure.axes[0].get_xlabel() == "time per step (ms)"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lessons 03 and 04
+
+
+def test_lr_schedule_explorer_redraws_for_each_rule():
+    explorer = widgets.lr_schedule_explorer()
+    rule_choice = explorer.children[0].children[0].children[1]
+    picture = explorer.children[1]
+    first = bytes(picture.value)
+    rule_choice.value = "sqrt"
+    assert bytes(picture.value) != first and bytes(picture.value).startswith(b"\x89PNG")
+
+
+def test_lr_experiment_plot_has_a_column_per_recipe_and_clips_divergence():
+    results = {("unscaled", 1): [2.3, 1.0, 0.8], ("unscaled", 4): [2.3, 2.0], ("scaled", 1): [2.3, 50.0, 9.0]}
+    figure = plots.plot_lr_experiment(results, base_batch=16, floor=0.5)
+    assert len(figure.axes) == 4
+    assert figure.axes[0].get_ylim()[1] == pytest.approx(3.5)
+    assert figure.axes[2].get_xscale() == "log"  # steps on a log axis
+
+
+def test_memory_breakdown_draws_prediction_ticks_and_capacity():
+    measured = {"fp32": {"weights": 4e6, "gradients": 4e6, "optimizer_states": 8e6, "activations": 1e6}}
+    figure = plots.plot_memory_breakdown(measured, {"fp32": {"weights": 4e6, "gradients": 4e6}}, capacity_bytes=2e7)
+    labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert {"weights", "gradients", "optimizer states", "activations", "model", "device memory"} <= set(labels)
+
+
+def test_gradient_magnitude_and_checkpointing_plots_are_labelled():
+    import torch
+
+    figure = plots.plot_gradient_magnitudes(torch.tensor([1e-3, 1e-6, 0.0, 2e-9]), {"fp16 normal": 6.1e-5})
+    assert figure.axes[0].get_xlabel() == "log2 |gradient value|"
+    figure = plots.plot_checkpointing([0, 1, 2], [3e6, 2e6, 1e6], [0.1, 0.11, 0.12])
+    assert "MiB" in figure.axes[0].get_ylabel() and "ms" in figure.axes[1].get_ylabel()
+
+
+def test_precision_memory_explorer_redraws_for_another_gpu():
+    explorer = widgets.precision_memory_explorer()
+    gpu_choice = explorer.children[0].children[1]
+    first = bytes(explorer.children[1].value)
+    gpu_choice.value = "H200 141GB"
+    assert bytes(explorer.children[1].value) != first

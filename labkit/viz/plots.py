@@ -391,3 +391,78 @@ def plot_lr_experiment(results: dict[tuple[str, int], Sequence[float]], base_bat
         axes[0][column].legend(fontsize=7)
     figure.tight_layout()
     return figure
+
+
+# --------------------------------------------------------------------------------------------------------
+# Lesson 04: precision and memory
+
+MEMORY_COLORS = {"weights": "#4C72B0", "gradients": "#55A868", "optimizer_states": "#DD8452",
+                 "optimizer_other": "#937860", "activations": "#8172B3"}
+
+
+def plot_gradient_magnitudes(gradients, thresholds: dict[str, float], title: str = "Gradient magnitudes") -> Figure:
+    """Histogram of ``log2 |g|`` over a model's nonzero gradient values, with each format's smallest
+    representable magnitude drawn as a vertical line: everything left of a line is rounded to zero there."""
+    import math
+
+    values = gradients[gradients != 0].abs().double().log2()
+    figure = Figure(figsize=(8, 3.8))
+    axis = figure.subplots()
+    axis.hist(values.numpy(), bins=80, color="#4C72B0", alpha=0.8)
+    for index, (label, threshold) in enumerate(thresholds.items()):
+        axis.axvline(math.log2(threshold), color=RANK_COLORS[(index + 1) % len(RANK_COLORS)], linestyle="--",
+                     label=f"{label}: 2^{math.log2(threshold):.0f}")
+    axis.set_xlabel("log2 |gradient value|")
+    axis.set_ylabel("number of values")
+    axis.set_title(title)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def plot_memory_breakdown(measured: dict[str, dict[str, float]],
+                          predicted: dict[str, dict[str, float]] | None = None,
+                          capacity_bytes: float | None = None, unit: float = 2**20, unit_name: str = "MiB",
+                          title: str = "Memory per category") -> Figure:
+    """Stacked bars per labelled configuration (weights, gradients, optimizer states, activations...);
+    the prediction, when given, is drawn as a black tick on top of each bar; ``capacity_bytes`` as a line."""
+    figure = Figure(figsize=(max(6, 1.6 * len(measured) + 3), 4))
+    axis = figure.subplots()
+    labels = list(measured)
+    categories = [c for c in MEMORY_COLORS if any(c in parts for parts in measured.values())]
+    bottoms = [0.0] * len(labels)
+    for category in categories:
+        heights = [measured[label].get(category, 0.0) / unit for label in labels]
+        axis.bar(labels, heights, bottom=bottoms, color=MEMORY_COLORS[category], label=category.replace("_", " "))
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    if predicted:
+        for index, label in enumerate(labels):
+            if label in predicted:
+                total = sum(predicted[label].values()) / unit
+                axis.plot([index - 0.4, index + 0.4], [total, total], color="black", linewidth=2,
+                          label="model" if index == 0 else None)
+    if capacity_bytes:
+        axis.axhline(capacity_bytes / unit, color="tab:red", linestyle="--", label="device memory")
+    axis.set_ylabel(f"memory ({unit_name})")
+    axis.set_title(title)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    return figure
+
+
+def plot_checkpointing(blocks_checkpointed: Sequence[int], activation_bytes: Sequence[float],
+                       step_seconds: Sequence[float], title: str = "Activation checkpointing") -> Figure:
+    """Activation memory (MiB) and step time (ms) against the number of blocks checkpointed."""
+    figure = Figure(figsize=(10, 3.6))
+    memory_axis, time_axis = figure.subplots(1, 2)
+    memory_axis.plot(blocks_checkpointed, [b / 2**20 for b in activation_bytes], marker="o", color="#8172B3")
+    memory_axis.set_xlabel("blocks checkpointed")
+    memory_axis.set_ylabel("activations saved for backward (MiB)")
+    memory_axis.set_xticks(list(blocks_checkpointed))
+    time_axis.plot(blocks_checkpointed, [s * 1e3 for s in step_seconds], marker="o", color="#C44E52")
+    time_axis.set_xlabel("blocks checkpointed")
+    time_axis.set_ylabel("forward + backward (ms)")
+    time_axis.set_xticks(list(blocks_checkpointed))
+    figure.suptitle(title)
+    figure.tight_layout()
+    return figure

@@ -178,3 +178,28 @@ def lr_schedule_explorer(base_lr: float = 0.01, base_batch: int = 16, total_samp
     controls = widgets.HBox([widgets.VBox([lr_slider, rule_choice, decay_choice]),
                              widgets.VBox([warmup_slider, start_slider]), multiples])
     return widgets.VBox([controls, picture])
+
+
+def precision_memory_explorer(parameters_b: float = 7.0) -> widgets.VBox:
+    """Model size, precision and optimizer -> model-state memory per GPU against a GPU's memory (lesson 04)."""
+    from labkit import costmodel, memory
+
+    size_slider = widgets.FloatLogSlider(value=parameters_b, base=10, min=-1, max=3, step=0.05,
+                                         description="params (B)", readout_format=".3g")
+    gpu_choice = widgets.Dropdown(options=list(costmodel.GPUS), value="H100 80GB", description="GPU")
+    picture = widgets.Image(format="png")
+
+    def redraw(_change=None) -> None:
+        count = int(size_slider.value * 1e9)
+        configurations = {f"{precision}\n{optimizer}": memory.predicted_model_state_bytes(count, precision, optimizer)
+                          for precision in ("fp32", "mixed") for optimizer in ("sgd", "momentum", "adam")}
+        gpu = costmodel.GPUS[gpu_choice.value]
+        figure = plots.plot_memory_breakdown(configurations, capacity_bytes=gpu.memory_bytes, unit=1e9,
+                                             unit_name="GB", title=f"{size_slider.value:.3g}B parameters: "
+                                             "model states, before any activation")
+        picture.value = plots.figure_to_png(figure)
+
+    for control in (size_slider, gpu_choice):
+        control.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox([size_slider, gpu_choice]), picture])

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Runs on a machine with a CUDA GPU whose python3 already has torch (the device machine's image does).
+# Usage: bash benchmarks/gpu_check.sh   — prints the NCCL path check and the fp32/bf16/fp16 step-time table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+PYTHON="${PYTHON:-python3}"
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+PYTHONPATH="$PWD" "$PYTHON" -m labkit.cli doctor
+PYTHONPATH="$PWD" timeout 480 "$PYTHON" benchmarks/gpu_check.py
