@@ -557,9 +557,7 @@ def measure_alpha_beta(sizes: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1
     machine's CPUs (gloo over loopback) all ranks share the same cores and memory, so the ring's beta is larger
     and is the one that predicts a ring collective.
 
-    ``alpha`` and ``beta`` come from a least-squares line through the median times, weighted by ``1/time`` so
-    small messages (which pin down alpha) count as much as large ones (which pin down beta).  Rank 0's fit is
-    broadcast.  Noise can make alpha come out slightly negative; it is clipped to 0.
+    ``alpha`` and ``beta`` come from :func:`fit_alpha_beta` on the median times; rank 0's fit is broadcast.
     """
     ring = _ring_of(group)
     if pattern not in ("ring", "ping-pong"):
@@ -591,12 +589,35 @@ def measure_alpha_beta(sizes: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1
                 samples.append((time.perf_counter() - begin) / (1 if pattern == "ring" else 2))
             times.append(statistics.median(samples[1:]))
         if ring.rank == 0:
-            seconds = torch.tensor(times, dtype=torch.float64, device=fit.device)
-            weights = 1.0 / seconds
-            design = torch.stack([torch.ones_like(seconds), torch.tensor(sizes).to(seconds)], dim=1)
-            fit = torch.linalg.lstsq(design * weights[:, None], (seconds * weights)[:, None]).solution.flatten()
+            link = fit_alpha_beta(sizes, times)
+            fit = torch.tensor([link.alpha_s, link.beta_s_per_byte], dtype=torch.float64, device=fit.device)
     broadcast(fit, src=0, group=group)
-    return LinkModel(alpha_s=max(float(fit[0]), 0.0), beta_s_per_byte=float(fit[1]))
+    return LinkModel(alpha_s=float(fit[0]), beta_s_per_byte=float(fit[1]))
+
+
+def fit_alpha_beta(sizes: list[int] | tuple[int, ...], seconds: list[float]) -> LinkModel:
+    """The alpha-beta line through measured ``(message bytes, seconds)`` points.
+
+    Least squares weighted by ``1/time``, so small messages (which pin down alpha) count as much as large
+    ones (which pin down beta).  Noise can tilt the line: a negative alpha is clipped to 0, and if the slope
+    comes out non-positive (the size dependence drowned in noise — a busy machine) the fit falls back to the
+    two-point estimate ``alpha = fastest time``, ``beta = (largest message's time - alpha) / its size``.
+    """
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError(f"need at least two (size, seconds) points of equal count, got {len(sizes)} and "
+                         f"{len(seconds)}")
+    times = torch.tensor(seconds, dtype=torch.float64)
+    if not bool((times > 0).all()):
+        raise ValueError(f"seconds must all be positive, got {list(seconds)}")
+    weights = 1.0 / times
+    design = torch.stack([torch.ones_like(times), torch.tensor(sizes, dtype=torch.float64)], dim=1)
+    alpha, beta = torch.linalg.lstsq(design * weights[:, None], (times * weights)[:, None]).solution.flatten()
+    alpha, beta = max(float(alpha), 0.0), float(beta)
+    if beta <= 0:
+        largest = max(range(len(sizes)), key=lambda index: sizes[index])
+        alpha = float(times.min())
+        beta = max(float(times[largest]) - alpha, float(times[largest]) * 1e-3) / max(sizes[largest], 1)
+    return LinkModel(alpha_s=alpha, beta_s_per_byte=beta)
 
 
 def time_collectives(algorithms: dict[str, Callable[[torch.Tensor], object]], sizes: list[int],

@@ -362,14 +362,25 @@ def _fits_on_each_rank() -> dict[str, LinkModel]:
             for pattern in ("ring", "ping-pong")}
 
 
-def test_measure_alpha_beta_fits_plausible_latency_and_bandwidth_on_every_rank():
+def test_measure_alpha_beta_gives_every_rank_the_same_physical_fit():
+    # Timing-based: only what holds on a busy machine too (the figures themselves belong to the benchmark).
     fits = launch(_fits_on_each_rank, nprocs=3, timeout=60, rank_output="none")
     for pattern in ("ring", "ping-pong"):
         assert fits[0][pattern] == fits[1][pattern] == fits[2][pattern], f"ranks disagree on the {pattern} fit"
         link = fits[0][pattern]
-        assert 0 <= link.alpha_s < 5e-3, f"{pattern}: latency {link.alpha_s * 1e6:.0f} us is implausible"
-        assert 1e7 < link.bandwidth_bytes_per_s < 1e12, \
-            f"{pattern}: bandwidth {link.bandwidth_bytes_per_s:.3g} B/s is implausible for loopback"
+        assert math.isfinite(link.alpha_s) and link.alpha_s >= 0, f"{pattern}: latency {link.alpha_s!r}"
+        assert math.isfinite(link.beta_s_per_byte) and link.beta_s_per_byte > 0, f"{pattern}: beta {link!r}"
+
+
+def test_fit_alpha_beta_recovers_a_known_line_and_survives_noise():
+    sizes = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20]
+    exact = collectives.fit_alpha_beta(sizes, [20e-6 + size * 1e-9 for size in sizes])
+    assert exact.alpha_s == pytest.approx(20e-6, rel=1e-9) and exact.beta_s_per_byte == pytest.approx(1e-9, rel=1e-9)
+    # a scheduler hiccup on the small messages tilts the line downwards: the fit must stay physical
+    noisy = collectives.fit_alpha_beta(sizes, [4e-3, 4e-3, 4e-3, 1e-3, 1.2e-3])
+    assert noisy.alpha_s >= 0 and noisy.beta_s_per_byte > 0
+    with pytest.raises(ValueError, match="positive"):
+        collectives.fit_alpha_beta([1, 2], [1e-3, 0.0])
 
 
 # --------------------------------------------------------------------------------------------------------
