@@ -248,3 +248,25 @@ def test_precision_memory_explorer_redraws_for_another_gpu():
     first = bytes(explorer.children[1].value)
     gpu_choice.value = "H200 141GB"
     assert bytes(explorer.children[1].value) != first
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lesson 05
+
+
+def test_zero_stage_pictures_shard_one_more_state_per_stage():
+    figure = plots.plot_zero_stages(world_size=2)
+    filled = [sum(1 for patch in axis.patches if patch.get_facecolor()[:3] != (1.0, 1.0, 1.0))
+              for axis in figure.axes]
+    # 2 ranks x 3 states x 2 shards = 12 cells per panel; each stage empties one state's other-rank shards
+    assert filled == [12, 10, 8, 6]
+
+
+def test_memory_explorer_says_whether_the_model_fits():
+    explorer = widgets.memory_explorer(preset="llama-2-7b")
+    verdict = explorer.children[1]
+    stage_slider, dp_slider = explorer.children[0].children[0].children[2:4]
+    stage_slider.value, dp_slider.value = 0, 8
+    assert "does not fit" in verdict.value
+    stage_slider.value = 3
+    assert "<b>fits</b>" in verdict.value

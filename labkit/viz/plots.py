@@ -466,3 +466,36 @@ def plot_checkpointing(blocks_checkpointed: Sequence[int], activation_bytes: Seq
     figure.suptitle(title)
     figure.tight_layout()
     return figure
+
+
+# --------------------------------------------------------------------------------------------------------
+# Lesson 05: ZeRO
+
+
+def plot_zero_stages(world_size: int = 4) -> Figure:
+    """Who holds what under DP and ZeRO 1-3: one row per rank, one column per state (parameters, gradients,
+    optimizer states), each split into ``world_size`` shards; a filled cell is held by that rank."""
+    stages = {"DP": 0, "ZeRO-1": 1, "ZeRO-2": 2, "ZeRO-3": 3}
+    states = [("parameters", "#4C72B0", 3), ("gradients", "#55A868", 2), ("optimizer states", "#DD8452", 1)]
+    figure = Figure(figsize=(12, 0.8 + 0.42 * world_size))
+    axes = figure.subplots(1, len(stages))
+    for axis, (name, stage) in zip(axes, stages.items(), strict=True):
+        for column, (_state, color, sharded_from) in enumerate(states):
+            for rank in range(world_size):
+                for shard in range(world_size):
+                    held = stage < sharded_from or shard == rank
+                    x = column * (world_size + 1) + shard
+                    axis.add_patch(matplotlib_patches.Rectangle(
+                        (x, world_size - 1 - rank), 0.9, 0.8, facecolor=color if held else "white",
+                        edgecolor="black", linewidth=0.4))
+        axis.set_xlim(-0.2, len(states) * (world_size + 1))
+        axis.set_ylim(-0.2, world_size)
+        axis.set_xticks([column * (world_size + 1) + world_size / 2 for column in range(len(states))],
+                        [state for state, _, _ in states], fontsize=7)
+        axis.set_yticks([world_size - 1 - rank + 0.4 for rank in range(world_size)],
+                        [f"rank {rank}" for rank in range(world_size)], fontsize=8)
+        axis.set_title(name)
+        for side in ("top", "right", "bottom", "left"):
+            axis.spines[side].set_visible(False)
+    figure.tight_layout()
+    return figure

@@ -203,3 +203,50 @@ def precision_memory_explorer(parameters_b: float = 7.0) -> widgets.VBox:
         control.observe(redraw, names="value")
     redraw()
     return widgets.VBox([widgets.HBox([size_slider, gpu_choice]), picture])
+
+
+def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
+    """The memory model per rank: a model preset (or size), precision, ZeRO stage, data-parallel degree,
+    micro-batch, sequence length and activation checkpointing -> stacked bytes per rank against a GPU."""
+    import dataclasses
+
+    from labkit import costmodel, memory
+
+    preset_choice = widgets.Dropdown(options=list(memory.MODEL_SHAPES), value=preset, description="model")
+    precision_choice = widgets.Dropdown(options=["mixed", "fp32"], value="mixed", description="precision")
+    stage_slider = widgets.IntSlider(value=0, min=0, max=3, description="ZeRO stage")
+    dp_slider = widgets.IntSlider(value=8, min=1, max=1024, description="DP degree")
+    batch_slider = widgets.IntSlider(value=1, min=1, max=64, description="micro-batch")
+    sequence_slider = widgets.IntSlider(value=4096, min=128, max=32768, step=128, description="sequence")
+    checkpoint_box = widgets.Checkbox(value=False, description="activation checkpointing")
+    gpu_choice = widgets.Dropdown(options=list(costmodel.GPUS), value="H100 80GB", description="GPU")
+    picture = widgets.Image(format="png")
+    verdict = widgets.HTML()
+
+    def redraw(_change=None) -> None:
+        shape = dataclasses.replace(memory.MODEL_SHAPES[preset_choice.value], seq_len=sequence_slider.value)
+        count = memory.num_parameters(shape)
+        activations = memory.activation_bytes(shape, batch_slider.value, precision=precision_choice.value,
+                                              flash_attention=True, checkpointing=checkpoint_box.value)
+        gpu = costmodel.GPUS[gpu_choice.value]
+        per_stage = {f"ZeRO-{stage}" if stage else "DP": memory.memory_per_rank(
+            count, precision_choice.value, "adam", zero_stage=stage, dp_degree=dp_slider.value,
+            activation_bytes=activations) for stage in range(4)}
+        chosen = per_stage["ZeRO-" + str(stage_slider.value) if stage_slider.value else "DP"]
+        fits = chosen["total"] <= gpu.memory_bytes
+        verdict.value = (f"<b>{'fits' if fits else 'does not fit'}</b>: {chosen['total'] / 1e9:,.1f} GB per rank "
+                         f"against {gpu.memory_bytes / 1e9:.0f} GB ({count / 1e9:.2f}B parameters, activations "
+                         f"{activations / 1e9:,.1f} GB)")
+        bars = {label: {key: value for key, value in parts.items() if key != "total"}
+                for label, parts in per_stage.items()}
+        picture.value = plots.figure_to_png(plots.plot_memory_breakdown(
+            bars, capacity_bytes=gpu.memory_bytes, unit=1e9, unit_name="GB",
+            title=f"{preset_choice.value}, {precision_choice.value} precision, DP degree {dp_slider.value}"))
+
+    controls = (preset_choice, precision_choice, stage_slider, dp_slider, batch_slider, sequence_slider,
+                checkpoint_box, gpu_choice)
+    for control in controls:
+        control.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:4])), widgets.VBox(list(controls[4:]))]),
+                         verdict, picture])
