@@ -14,6 +14,7 @@ from labkit.grading.checkers import data_parallel as data_parallel_checks
 from labkit.grading.checkers import lr_scaling as lr_scaling_checks
 from labkit.grading.checkers import mixed_precision as mixed_precision_checks
 from labkit.grading.checkers import setup as setup_checks
+from labkit.grading.checkers import zero as zero_checks
 from tests.conftest import REPO
 
 WRONG = REPO / "tests" / "wrong_answers"
@@ -22,6 +23,7 @@ COLLECTIVES_CHECKS = [grading.check_name(check) for check in collectives_checks.
 DATA_PARALLEL_CHECKS = [grading.check_name(check) for check in data_parallel_checks.CHECKS]
 LR_SCALING_CHECKS = [grading.check_name(check) for check in lr_scaling_checks.CHECKS]
 MP = [grading.check_name(check) for check in mixed_precision_checks.CHECKS]
+ZERO_CHECKS = [grading.check_name(check) for check in zero_checks.CHECKS]
 
 
 def _failed(report: grading.Report) -> set[str]:
@@ -75,6 +77,13 @@ def test_the_untouched_stub_gets_zero(topic):
         ("mixed_precision", "mixed_precision_grows_every_step", {MP[2], MP[3]}),
         ("mixed_precision", "mixed_precision_misses_nan", {MP[0], MP[3]}),
         ("mixed_precision", "mixed_precision_multiplies", {MP[0], MP[3]}),
+        ("zero", "zero_unsharded_state", {ZERO_CHECKS[1]}),
+        ("zero", "zero_missing_gather", {ZERO_CHECKS[2]}),
+        ("zero", "zero_round_robin", {ZERO_CHECKS[0]}),
+        ("zero", "zero_unsorted_greedy", {ZERO_CHECKS[0]}),
+        ("zero", "zero_counts_parameters", {ZERO_CHECKS[0]}),
+        ("zero", "zero_broadcast_from_rank_zero", {ZERO_CHECKS[2]}),
+        ("zero", "zero_adam_not_adamw", {ZERO_CHECKS[1]}),
     ],
 )
 def test_plausible_wrong_answers_fail_exactly_the_checks_that_catch_them(topic, folder, caught_by):

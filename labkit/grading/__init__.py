@@ -40,6 +40,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                    "Scaling the learning rate: the global batch, warmup and decay"),
     "mixed_precision": ("04_mixed_precision.py", "labkit.grading.checkers.mixed_precision",
                         "Mixed precision: unscale, skip on overflow, the dynamic loss scale"),
+    "zero": ("05_zero.py", "labkit.grading.checkers.zero",
+             "ZeRO-1: shard the optimizer state, step the local shard, broadcast the updates"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0
