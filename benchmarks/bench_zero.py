@@ -58,6 +58,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from steptiming import step_times, summarise  # beside this script
 
 from labkit.data import MarkovChain, batches, seed_for_rank
 from labkit.ddp import DistributedDataParallel
@@ -80,7 +81,6 @@ VARIANTS = {
     "torch ZeRO-1 (ZeRO-RO)": (1, "torch"),
     "torch fully_shard": (3, "torch"),
 }
-PHASES = ("forward", "backward", "optimizer", "step")
 KINDS = ("weights", "gradients", "optimizer_states", "optimizer_other")
 
 
@@ -223,26 +223,6 @@ def run_on_each_rank(names: list[str], steps: int, warmup: int, batch_size: int,
     parameters = sum(p.numel() for p in runs[0][1].parameters())
     return {"times": times, "memory": memory, "counted": counted, "layout": layout, "losses": losses,
             "parameters": parameters}
-
-
-def step_times(per_rank: list[list[list[float]]]) -> list[float]:
-    """Per step, the slowest rank's wall-clock time (s)."""
-    return [max(sum(rank_times[step][:3]) for rank_times in per_rank) for step in range(len(per_rank[0]))]
-
-
-def summarise(per_rank: list[list[list[float]]]) -> dict[str, float]:
-    """In ms: medians over steps of the slowest rank's phases, the step-time spread, and CPU times."""
-    steps = len(per_rank[0])
-    slowest = []
-    for step in range(steps):
-        phases = max((rank_times[step][:3] for rank_times in per_rank), key=sum)
-        slowest.append([*phases, sum(phases)])
-    summary = {phase: 1000 * statistics.median(step[i] for step in slowest) for i, phase in enumerate(PHASES)}
-    totals = sorted(step[-1] for step in slowest)
-    summary["p10"], summary["p90"] = 1000 * totals[steps // 10], 1000 * totals[(9 * steps) // 10]
-    for column, key in ((3, "cpu main"), (4, "cpu other")):
-        summary[key] = 1000 * max(statistics.median(step[column] for step in rank_times) for rank_times in per_rank)
-    return summary
 
 
 def main() -> None:
