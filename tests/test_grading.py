@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,8 +18,8 @@ from labkit.grading.checkers import mixed_precision as mixed_precision_checks
 from labkit.grading.checkers import setup as setup_checks
 from labkit.grading.checkers import zero as zero_checks
 from tests.conftest import REPO
+from tests.wrong_answers import BY_NAME, WRONG_ANSWERS
 
-WRONG = REPO / "tests" / "wrong_answers"
 SETUP_CHECKS = [grading.check_name(check) for check in setup_checks.CHECKS]
 COLLECTIVES_CHECKS = [grading.check_name(check) for check in collectives_checks.CHECKS]
 DATA_PARALLEL_CHECKS = [grading.check_name(check) for check in data_parallel_checks.CHECKS]
@@ -50,76 +52,56 @@ def test_the_untouched_stub_gets_zero(topic):
     assert all("not implemented yet" in result.message for result in report.checks)
 
 
-@pytest.mark.parametrize(
-    ("topic", "folder", "caught_by"),
-    [
-        ("setup", "setup_unbalanced", {SETUP_CHECKS[1]}),
-        ("setup", "setup_no_all_reduce", {SETUP_CHECKS[2]}),
-        ("setup", "setup_mean_of_means", {SETUP_CHECKS[3]}),
-        ("collectives", "collectives_wrong_chunk", set(COLLECTIVES_CHECKS) - {COLLECTIVES_CHECKS[1]}),
-        ("collectives", "collectives_missed_step", set(COLLECTIVES_CHECKS) - {COLLECTIVES_CHECKS[1]}),
-        ("collectives", "collectives_all_gather_missed_step", set(COLLECTIVES_CHECKS) - {COLLECTIVES_CHECKS[0]}),
-        ("collectives", "collectives_built_in", {COLLECTIVES_CHECKS[3]}),
-        ("data_parallel", "data_parallel_no_broadcast", {DATA_PARALLEL_CHECKS[0], DATA_PARALLEL_CHECKS[2]}),
-        ("data_parallel", "data_parallel_params_only", {DATA_PARALLEL_CHECKS[0], DATA_PARALLEL_CHECKS[2]}),
-        ("data_parallel", "data_parallel_sum_not_average", {DATA_PARALLEL_CHECKS[1], DATA_PARALLEL_CHECKS[2]}),
-        ("data_parallel", "data_parallel_buckets_forward", {DATA_PARALLEL_CHECKS[3]}),
-        ("data_parallel", "data_parallel_buckets_overflow", {DATA_PARALLEL_CHECKS[3]}),
-        ("lr_scaling", "lr_scaling_warmup_from_zero", {LR_SCALING_CHECKS[3]}),
-        ("lr_scaling", "lr_scaling_ignores_accumulation", {LR_SCALING_CHECKS[0], LR_SCALING_CHECKS[2]}),
-        ("lr_scaling", "lr_scaling_lr_times_world_size", {LR_SCALING_CHECKS[2]}),
-        ("lr_scaling", "lr_scaling_warmup_off_by_one", {LR_SCALING_CHECKS[3]}),
-        ("lr_scaling", "lr_scaling_no_decay", {LR_SCALING_CHECKS[4]}),
-        ("lr_scaling", "lr_scaling_sqrt_rule", {LR_SCALING_CHECKS[1], LR_SCALING_CHECKS[2]}),
-        ("mixed_precision", "mixed_precision_never_grows", {MP[2], MP[3]}),
-        ("mixed_precision", "mixed_precision_steps_on_overflow", {MP[1], MP[3]}),
-        ("mixed_precision", "mixed_precision_no_reset", {MP[2], MP[3]}),
-        ("mixed_precision", "mixed_precision_grows_every_step", {MP[2], MP[3]}),
-        ("mixed_precision", "mixed_precision_misses_nan", {MP[0], MP[3]}),
-        ("mixed_precision", "mixed_precision_multiplies", {MP[0], MP[3]}),
-        ("zero", "zero_unsharded_state", {ZERO_CHECKS[1]}),
-        ("zero", "zero_missing_gather", {ZERO_CHECKS[2]}),
-        ("zero", "zero_round_robin", {ZERO_CHECKS[0]}),
-        ("zero", "zero_unsorted_greedy", {ZERO_CHECKS[0]}),
-        ("zero", "zero_counts_parameters", {ZERO_CHECKS[0]}),
-        ("zero", "zero_broadcast_from_rank_zero", {ZERO_CHECKS[2]}),
-        ("zero", "zero_adam_not_adamw", {ZERO_CHECKS[1]}),
-    ],
-)
-def test_plausible_wrong_answers_fail_exactly_the_checks_that_catch_them(topic, folder, caught_by):
-    report = grading.check(topic, directory=WRONG / folder, verbose=False)
-    assert _failed(report) == caught_by
+GRADED_WRONG_ANSWERS = [answer for answer in WRONG_ANSWERS if answer.caught_by]
 
 
-def test_student_code_that_loops_for_ever_is_a_failed_check_not_a_stuck_grader(monkeypatch):
+@pytest.mark.parametrize("answer", GRADED_WRONG_ANSWERS, ids=[answer.name for answer in GRADED_WRONG_ANSWERS])
+def test_plausible_wrong_answers_fail_exactly_the_checks_that_catch_them(answer, tmp_path):
+    checks = importlib.import_module(grading.EXERCISES[answer.topic][1]).CHECKS
+    report = grading.check(answer.topic, directory=answer.write(tmp_path).parent, verbose=False)
+    assert _failed(report) == {grading.check_name(checks[index]) for index in answer.caught_by}
+
+
+def test_every_exercise_has_wrong_answers_that_apply_to_its_solution(tmp_path):
+    for topic in grading.EXERCISES:
+        assert any(answer.topic == topic for answer in GRADED_WRONG_ANSWERS), f"no wrong answer for {topic}"
+    for answer in WRONG_ANSWERS:
+        assert answer.write(tmp_path / answer.name).read_text() != (REPO / "solutions" / answer.file).read_text()
+
+
+def _wrong(name: str, tmp_path: Path) -> Path:
+    return BY_NAME[name].write(tmp_path / name).parent
+
+
+def test_student_code_that_loops_for_ever_is_a_failed_check_not_a_stuck_grader(monkeypatch, tmp_path):
     monkeypatch.setattr(grading, "DEFAULT_CHECK_TIMEOUT", 3.0)
-    report = grading.check("setup", directory=WRONG / "setup_endless_loop", verbose=False)
+    report = grading.check("setup", directory=_wrong("setup_endless_loop", tmp_path), verbose=False)
     looping = [r for r in report.checks if r.name in SETUP_CHECKS[:2]]
     assert all(not r.passed and "did not finish within 3 s" in r.message for r in looping)
     assert all(r.seconds < 10 for r in looping)
 
 
-def test_student_code_that_hangs_in_a_collective_is_a_failed_check(monkeypatch):
+def test_student_code_that_hangs_in_a_collective_is_a_failed_check(monkeypatch, tmp_path):
     monkeypatch.setattr(setup_checks, "LAUNCH_TIMEOUT", 3.0)
-    report = grading.check("setup", directory=WRONG / "setup_rank_zero_only", verbose=False)
+    report = grading.check("setup", directory=_wrong("setup_rank_zero_only", tmp_path), verbose=False)
     result = next(r for r in report.checks if r.name == SETUP_CHECKS[2])
     assert not result.passed and "hung" in result.message
 
 
-def test_student_code_that_kills_its_process_is_a_failed_check():
-    report = grading.check("setup", directory=WRONG / "setup_crash", verbose=False)
+def test_student_code_that_kills_its_process_is_a_failed_check(tmp_path):
+    report = grading.check("setup", directory=_wrong("setup_crash", tmp_path), verbose=False)
     result = report.checks[0]
     assert not result.passed and "exit code 3" in result.message
 
 
-def test_a_syntax_error_fails_every_check_with_the_import_error():
-    report = grading.check("setup", directory=WRONG / "setup_syntax_error", verbose=False)
+def test_a_syntax_error_fails_every_check_with_the_import_error(tmp_path):
+    report = grading.check("setup", directory=_wrong("setup_syntax_error", tmp_path), verbose=False)
     assert report.passed == 0
     assert all("could not import 00_setup.py: SyntaxError" in r.message for r in report.checks)
 
 
-def test_check_prints_one_line_per_check_and_the_score(capsys):
-    grading.check("setup", directory=WRONG / "setup_mean_of_means")
+def test_check_prints_one_line_per_check_and_the_score(capsys, tmp_path):
+    grading.check("setup", directory=_wrong("setup_mean_of_means", tmp_path))
     out = capsys.readouterr().out
     assert out.count("✓") == 3 and out.count("✗") == 1
     assert "Score: 3/4" in out
@@ -162,8 +144,8 @@ def test_labkit_grade_json_reports_every_exercise_for_an_instructor():
     assert data["passed"] == data["total"] > 0
 
 
-def test_labkit_grade_table_scores_a_folder_of_student_files():
-    completed = _labkit("grade", "--dir", str(WRONG / "setup_unbalanced"))
+def test_labkit_grade_table_scores_a_folder_of_student_files(tmp_path):
+    completed = _labkit("grade", "--dir", str(_wrong("setup_unbalanced", tmp_path)))
     assert completed.returncode == 0, completed.stderr
     assert "00_setup.py" in completed.stdout and "3/4" in completed.stdout
     assert "✗ " + SETUP_CHECKS[1] in completed.stdout
