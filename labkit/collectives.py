@@ -54,7 +54,8 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,17 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
     return [(starts[rank], starts[rank + 1]) for rank in range(world_size)]
 
 
+@contextmanager
+def _flat_in_place(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A 1-D view of ``tensor`` to work on in place, without autograd.  A non-contiguous tensor is worked on as
+    a contiguous copy, written back when the block ends — so every collective is in place, whatever the layout."""
+    with torch.no_grad():
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        yield work.view(-1)
+        if work is not tensor:
+            tensor.copy_(work)
+
+
 def _segments(start: int, stop: int, segment_elements: int) -> list[tuple[int, int]]:
     return [(begin, min(begin + segment_elements, stop)) for begin in range(start, stop, segment_elements)]
 
@@ -188,12 +200,8 @@ def ring_reduce_scatter(tensor: torch.Tensor, op: object = "sum", group: dist.Pr
     _check_tensor(tensor, record)
     average = _average(op, tensor)
     ring = _ring_of(group)
-    with torch.no_grad():
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        flat = work.view(-1)
+    with _flat_in_place(tensor) as flat:
         _reduce_scatter_flat(flat, ring, average, record, _segment_elements(tensor, segment_bytes, ring.world_size))
-        if work is not tensor:
-            tensor.copy_(work)
         start, stop = chunk_bounds(flat.numel(), ring.world_size)[ring.rank]
         return flat[start:stop]
 
@@ -208,11 +216,8 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """
     _check_tensor(tensor, record)
     ring = _ring_of(group)
-    with torch.no_grad():
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        _all_gather_flat(work.view(-1), ring, record, _segment_elements(tensor, segment_bytes, ring.world_size))
-        if work is not tensor:
-            tensor.copy_(work)
+    with _flat_in_place(tensor) as flat:
+        _all_gather_flat(flat, ring, record, _segment_elements(tensor, segment_bytes, ring.world_size))
     return tensor
 
 
@@ -227,13 +232,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: object = "sum", group: dist.Proces
     average = _average(op, tensor)
     ring = _ring_of(group)
     segment_elements = _segment_elements(tensor, segment_bytes, ring.world_size)
-    with torch.no_grad():
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        flat = work.view(-1)
+    with _flat_in_place(tensor) as flat:
         _reduce_scatter_flat(flat, ring, average, record, segment_elements, algorithm="ring_all_reduce")
         _all_gather_flat(flat, ring, record, segment_elements, algorithm="ring_all_reduce")
-        if work is not tensor:
-            tensor.copy_(work)
     return tensor
 
 
@@ -325,9 +326,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | Non
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ring.world_size:
         raise ValueError(f"src must be a rank of the group, 0..{ring.world_size - 1}, got {src!r}")
     rounds = math.ceil(math.log2(ring.world_size)) if ring.world_size > 1 else 0
-    with torch.no_grad():
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        flat = work.view(-1)
+    with _flat_in_place(tensor) as flat:
         relative = (ring.rank - src) % ring.world_size
         mask = 1
         while mask < ring.world_size:  # receive from the parent: clear my lowest set bit
@@ -346,8 +345,6 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | Non
             mask >>= 1
         for request in sends:
             request.wait()
-        if work is not tensor:
-            tensor.copy_(work)
     return tensor
 
 
@@ -363,9 +360,7 @@ def naive_all_reduce(tensor: torch.Tensor, op: object = "sum", group: dist.Proce
     _check_tensor(tensor, record)
     average = _average(op, tensor)
     ring = _ring_of(group)
-    with torch.no_grad():
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        flat = work.view(-1)
+    with _flat_in_place(tensor) as flat:
         if ring.world_size > 1 and flat.numel() > 0:
             if ring.rank == 0:
                 buffers = torch.empty(ring.world_size - 1, flat.numel(), dtype=flat.dtype, device=flat.device)
@@ -384,8 +379,6 @@ def naive_all_reduce(tensor: torch.Tensor, op: object = "sum", group: dist.Proce
                 ring.irecv(flat, 0).wait()
         elif average:
             flat.div_(ring.world_size)
-        if work is not tensor:
-            tensor.copy_(work)
     return tensor
 
 
@@ -402,9 +395,7 @@ def tree_all_reduce(tensor: torch.Tensor, op: object = "sum", group: dist.Proces
     _check_tensor(tensor, record)
     average = _average(op, tensor)
     ring = _ring_of(group)
-    with torch.no_grad():
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        flat = work.view(-1)
+    with _flat_in_place(tensor) as flat:
         if ring.world_size > 1 and flat.numel() > 0:
             incoming = torch.empty_like(flat)
             mask, step = 1, 0
@@ -421,8 +412,6 @@ def tree_all_reduce(tensor: torch.Tensor, op: object = "sum", group: dist.Proces
             broadcast(flat, src=0, group=group, record=record)
         elif average:
             flat.div_(ring.world_size)
-        if work is not tensor:
-            tensor.copy_(work)
     return tensor
 
 
