@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from steptiming import paired_ratios, step_times, summarise  # beside this script
+from steptiming import paired_ratios, step_times, summarise, timed_step  # beside this script
 
 from labkit.data import MarkovChain, batches, seed_for_rank
 from labkit.ddp import DistributedDataParallel
@@ -122,19 +122,9 @@ def run_on_each_rank(chosen: list[Variant], steps: int, warmup: int, batch_size:
         for index, (model, optimizer, generator) in order if step % 2 == 0 else reversed(order):
             x, y = batches(tokens, batch_size, sequence_length, generator)
             dist.barrier()
-            cpu_main, cpu_process = time.thread_time(), time.process_time()
-            begin = time.perf_counter()
-            _, loss = model(x, y)
-            forward_done = time.perf_counter()
-            loss.backward()
-            backward_done = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            end = time.perf_counter()
-            cpu_main, cpu_process = time.thread_time() - cpu_main, time.process_time() - cpu_process
+            timing = timed_step(model, optimizer, x, y)
             if step >= warmup:
-                times[index].append([forward_done - begin, backward_done - forward_done, end - backward_done,
-                                     cpu_main, cpu_process - cpu_main])
+                times[index].append(timing)
     buckets = [len(model.buckets) if isinstance(model, DistributedDataParallel)
                else _torch_bucket_count(model) for model, _, _ in runs]
     return {"times": times, "gradient_bytes": gradient_bytes, "buckets": buckets}

@@ -58,7 +58,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from steptiming import step_times, summarise  # beside this script
+from steptiming import step_times, summarise, timed_step  # beside this script
 
 from labkit.data import MarkovChain, batches, seed_for_rank
 from labkit.ddp import DistributedDataParallel
@@ -194,24 +194,15 @@ def run_on_each_rank(names: list[str], steps: int, warmup: int, batch_size: int,
         for index, (name, model, optimizer, generator) in order if step % 2 == 0 else reversed(order):
             x, y = batches(tokens, batch_size, sequence_length, generator)
             dist.barrier()
-            cpu_main, cpu_process = time.thread_time(), time.process_time()
-            begin = time.perf_counter()
-            _, loss = model(x, y)
-            forward_done = time.perf_counter()
-            loss.backward()
-            backward_done = time.perf_counter()
-            optimizer.step()
-            stepped = time.perf_counter()
-            if step == warmup + steps - 1:  # gradients and optimizer state both alive: the model's moment
+
+            def measure(loss, index=index, name=name, model=model, optimizer=optimizer):
                 memory[index] = _breakdown(name, model, optimizer)
                 losses[index] = loss.item()
-            begin_zero = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            end = time.perf_counter() - (begin_zero - stepped)  # the measurement above is not timed
-            cpu_main, cpu_process = time.thread_time() - cpu_main, time.process_time() - cpu_process
+
+            last = step == warmup + steps - 1  # gradients and optimizer state both alive: the model's moment
+            timing = timed_step(model, optimizer, x, y, after_step=measure if last else None)
             if step >= warmup:
-                times[index].append([forward_done - begin, backward_done - forward_done, end - backward_done,
-                                     cpu_main, cpu_process - cpu_main])
+                times[index].append(timing)
     counted = []
     for (name, model, optimizer, _), before in zip(runs, counted_before, strict=True):
         after = _counted_communication(name, model, optimizer)
