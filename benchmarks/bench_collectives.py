@@ -3,7 +3,7 @@
     python benchmarks/bench_collectives.py [--quick] [--ranks 2 4] [--segment-bytes N]
 
 For 2 and 4 ranks and messages from 4 KiB to 64 MiB it prints the bus bandwidth (GB/s, NCCL-tests'
-convention, see ``labkit.collectives.bus_bandwidth``) of each all-reduce, measured in one launched job, and the
+convention, see ``labkit.bus_bandwidth``) of each all-reduce, measured in one launched job, and the
 ring's bus bandwidth predicted by the alpha-beta model of one ring step fitted on the spot (the model leaves
 out the time spent adding and any overlap between steps).  As in NCCL-tests a timed batch is several back-to-back
 calls after a barrier; the three algorithms take turns batch by batch (ring, gloo, naive, ring, ...) so a burst
@@ -26,7 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit import collectives
+from labkit import collectives, measure
+from labkit.costmodel.collectives import bus_bandwidth, ring_all_reduce_cost
 from labkit.launch import launch
 
 TARGET_RATIO = 0.8
@@ -58,8 +59,8 @@ def run_on_each_rank(sizes: list[int], quick: bool, segment_bytes: int | None) -
         "gloo": lambda tensor: dist.all_reduce(tensor),
         "naive": lambda tensor: collectives.naive_all_reduce(tensor),
     }
-    link = collectives.measure_alpha_beta(iterations=5 if quick else 10, pattern="ring")
-    return {"times": collectives.time_collectives(algorithms, sizes, batches=3 if quick else 7), "link": link}
+    link = measure.measure_alpha_beta(iterations=5 if quick else 10, pattern="ring")
+    return {"times": measure.time_collectives(algorithms, sizes, batches=3 if quick else 7), "link": link}
 
 
 def main() -> None:
@@ -83,10 +84,10 @@ def main() -> None:
                          timeout=600, rank_output="none")
         link = results[0]["link"]
         for index, nbytes in enumerate(sizes):
-            busbw = {name: collectives.bus_bandwidth(nbytes, results[0]["times"][name][index], world_size) / 1e9
+            busbw = {name: bus_bandwidth(nbytes, results[0]["times"][name][index], world_size) / 1e9
                      for name in ("ring", "gloo", "naive")}
-            predicted = collectives.ring_all_reduce_cost(nbytes, world_size, link).time_s
-            model = collectives.bus_bandwidth(nbytes, predicted, world_size, "all_reduce") / 1e9
+            predicted = ring_all_reduce_cost(nbytes, world_size, link).time_s
+            model = bus_bandwidth(nbytes, predicted, world_size, "all_reduce") / 1e9
             ratio = busbw["ring"] / busbw["gloo"]
             print(f"{world_size:>5} {_size(nbytes):>9} {busbw['ring']:>7.3f} {busbw['gloo']:>7.3f} "
                   f"{busbw['naive']:>7.3f} {ratio:>9.2f} {model:>7.3f}")

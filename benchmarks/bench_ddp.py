@@ -12,7 +12,7 @@ The variants, all alive at once in one launched job of 2 ranks, one model and on
 
 - ``no DDP``: the same model and step on each rank, no wrapper and no communication: what the step costs
   without data parallelism, under the same load (both ranks compute at the same time, as in the DDP rows);
-- ``labkit``: :class:`labkit.ddp.DistributedDataParallel` with ``bucket_cap_mb`` 0 (one all-reduce per
+- ``labkit``: :class:`labkit.parallel.ddp.DistributedDataParallel` with ``bucket_cap_mb`` 0 (one all-reduce per
   parameter), 1, 5, 25 and 100 MiB, overlap on; and at 25 MiB with overlap off;
 - ``torch``: ``torch.nn.parallel.DistributedDataParallel`` with the same caps (defaults otherwise:
   ``gradient_as_bucket_view=False``, buckets rebuilt in gradient arrival order after the first step); and
@@ -57,9 +57,9 @@ import torch.distributed as dist
 from steptiming import paired_ratios, step_times, summarise, timed_step  # beside this script
 
 from labkit.data import MarkovChain, batches, seed_for_rank
-from labkit.ddp import DistributedDataParallel
 from labkit.launch import launch
 from labkit.models import GPTConfig, TinyGPT
+from labkit.parallel.ddp import DistributedDataParallel
 
 TARGET_RATIO = 1.15
 TARGET_BUCKET_MB = 25.0

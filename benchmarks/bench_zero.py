@@ -10,27 +10,27 @@ throughout: 4 + 4 + 8 = 16 bytes of model state per parameter), on 2 ranks with 
   ``zero_grad``;
 - the *model-state* bytes each rank holds right after ``optimizer.step()`` (before ``zero_grad``, so the
   gradients are still there): the storages behind the parameters, their gradients and the optimizer's state,
-  each storage counted once (``labkit.memory.storage_bytes``).  labkit's variants report it themselves
+  each storage counted once (``labkit.measure.storage_bytes``).  labkit's variants report it themselves
   (``memory_breakdown()``); for torch's the script counts the same storages: the parameters, their ``.grad``
   and ``optimizer.state`` of the local optimizer (``ZeroRedundancyOptimizer.optim``), and for ``fully_shard``
   the DTensors' local shards (``.to_local()``).  Communication buffers are not model state and are not
   counted (DDP's persistent buckets, 4 bytes per parameter in both DDPs; the transient gather / scatter
   buffers of ZeRO-2 and -3);
-- beside it the analytical model, ``labkit.memory.memory_per_rank(9_956_480, precision="fp32",
+- beside it the analytical model, ``labkit.costmodel.memory.memory_per_rank(9_956_480, precision="fp32",
   optimizer="adam", zero_stage=s, dp_degree=2)``, and the ratio measured / model;
-- the bytes entering collectives per step: from the layout (``bytes_per_step`` of labkit's DDP,
-  ``communication_per_step()`` of the ZeRO classes) and as counted while running (``bytes_communicated``,
-  per step); torch's classes count nothing, so their rows are empty.
+- the bytes entering collectives per step: from the layout (``predicted_communication()``) and as counted
+  while running the last step (``communication_per_step()``), both from the contract every labkit wrapper
+  keeps (``labkit.parallel.base``); torch's classes count nothing, so their rows are empty.
 
 The variants, all alive at once in one launched job of 2 ranks, one model and one optimizer each, all
 starting from the same weights and seeing the same batches (2 sequences of 128 tokens per rank from the
 default ``MarkovChain``, drawn with ``seed_for_rank(0, rank)``):
 
-- ``labkit DDP``: :class:`labkit.ddp.DistributedDataParallel` (25 MiB buckets) + ``torch.optim.AdamW``;
-- ``labkit ZeRO-1``: the same DDP + ``ShardedOptimizer(..., AdamW, stage=1)`` (whole parameters per rank,
-  updated ones broadcast: ``ZeroRedundancyOptimizer``'s scheme);
-- ``labkit ZeRO-2``: the plain model + ``ShardedOptimizer(..., AdamW, stage=2)`` (gradients reduce-scattered
-  in backward, 25 MiB buckets);
+- ``labkit DDP``: :class:`labkit.parallel.ddp.DistributedDataParallel` (25 MiB buckets) + ``torch.optim.AdamW``;
+- ``labkit ZeRO-1``: ``ZeroDataParallel(stage=1)``: the same DDP + a ``ShardedOptimizer(..., AdamW, stage=1)``
+  (whole parameters per rank, updated ones broadcast: ``ZeroRedundancyOptimizer``'s scheme);
+- ``labkit ZeRO-2``: ``ZeroDataParallel(stage=2)``: the plain model + ``ShardedOptimizer(..., AdamW, stage=2)``
+  (gradients reduce-scattered in backward, 25 MiB buckets);
 - ``labkit ZeRO-3``: ``FullyShardedDataParallel`` (one unit per transformer block, the rest in the root,
   prefetch on) + ``AdamW`` on its parameters (the shards);
 - ``torch ZeRO-1``: ``torch.nn.parallel.DistributedDataParallel`` + ``ZeroRedundancyOptimizer(AdamW)``;
@@ -60,12 +60,14 @@ import torch
 import torch.distributed as dist
 from steptiming import step_times, summarise, timed_step  # beside this script
 
+from labkit.costmodel.memory import memory_per_rank
 from labkit.data import MarkovChain, batches, seed_for_rank
-from labkit.ddp import DistributedDataParallel
 from labkit.launch import launch
-from labkit.memory import memory_per_rank, model_state_bytes, storage_bytes
+from labkit.measure import storage_bytes
 from labkit.models import GPTConfig, TinyGPT
-from labkit.zero import FullyShardedDataParallel, ShardedOptimizer
+from labkit.parallel.ddp import DistributedDataParallel
+from labkit.parallel.fsdp import FullyShardedDataParallel
+from labkit.parallel.zero import ZeroDataParallel
 
 WORLD_SIZE = 2
 NUM_PARAMETERS = 9_956_480
@@ -84,19 +86,19 @@ VARIANTS = {
 KINDS = ("weights", "gradients", "optimizer_states", "optimizer_other")
 
 
+LABKIT = {  # labkit's variants, used through the contract only once built
+    "labkit DDP": lambda model: DistributedDataParallel(model, bucket_cap_mb=25),
+    "labkit ZeRO-1": lambda model: ZeroDataParallel(model, stage=1, bucket_cap_mb=25),
+    "labkit ZeRO-2": lambda model: ZeroDataParallel(model, stage=2, bucket_cap_mb=25),
+    "labkit ZeRO-3": lambda model: FullyShardedDataParallel(model, prefetch=True),
+}
+
+
 def _build(name: str, config: GPTConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = TinyGPT(config, seed=0)
-    if name == "labkit DDP":
-        model = DistributedDataParallel(model, bucket_cap_mb=25)
-        return model, torch.optim.AdamW(model.parameters(), lr=LR)
-    if name == "labkit ZeRO-1":
-        model = DistributedDataParallel(model, bucket_cap_mb=25)
-        return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=LR)
-    if name == "labkit ZeRO-2":
-        return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, bucket_cap_mb=25, lr=LR)
-    if name == "labkit ZeRO-3":
-        model = FullyShardedDataParallel(model, prefetch=True)
-        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+    if name in LABKIT:
+        model = LABKIT[name](model)
+        return model, model.make_optimizer(torch.optim.AdamW, lr=LR)
     if name == "torch ZeRO-1 (ZeRO-RO)":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
@@ -137,40 +139,15 @@ def _torch_breakdown(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 
 def _breakdown(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    if name == "labkit DDP":
-        return model_state_bytes(model.module, optimizer)
-    if name in ("labkit ZeRO-1", "labkit ZeRO-2"):
-        return optimizer.memory_breakdown()
-    if name == "labkit ZeRO-3":
-        return model.memory_breakdown(optimizer)
-    return _torch_breakdown(model, optimizer)
+    return model.memory_breakdown() if name in LABKIT else _torch_breakdown(model, optimizer)
 
 
-def _layout_communication(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
-    """Bytes entering collectives per step, from the layout (None: torch's, which do not say)."""
-    if name == "labkit DDP":
-        return model.bytes_per_step
-    if name == "labkit ZeRO-1":
-        return model.bytes_per_step + sum(optimizer.communication_per_step().values())
-    if name == "labkit ZeRO-2":
-        return sum(optimizer.communication_per_step().values())
-    if name == "labkit ZeRO-3":
-        return sum(model.communication_per_step().values())
-    return None
-
-
-def _counted_communication(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
-    """Bytes the classes counted entering collectives so far (labkit's DDP counts nothing: its buckets are
-    all-reduced once per step, so its layout figure is exact)."""
-    if name == "labkit DDP":
-        return None
-    if name == "labkit ZeRO-1":
-        return sum(optimizer.bytes_communicated.values())  # + DDP's all-reduce, added by the caller
-    if name == "labkit ZeRO-2":
-        return sum(optimizer.bytes_communicated.values())
-    if name == "labkit ZeRO-3":
-        return sum(model.bytes_communicated.values())
-    return None
+def _communication(name: str, model: torch.nn.Module) -> tuple[int | None, int | None]:
+    """Bytes entering collectives per step: from the layout, and counted in the last step (None: torch's
+    classes, which do not say)."""
+    if name not in LABKIT:
+        return None, None
+    return sum(model.predicted_communication().values()), sum(model.communication_per_step().values())
 
 
 def run_on_each_rank(names: list[str], steps: int, warmup: int, batch_size: int, sequence_length: int) -> dict:
@@ -185,11 +162,8 @@ def run_on_each_rank(names: list[str], steps: int, warmup: int, batch_size: int,
         runs.append((name, model, optimizer, torch.Generator().manual_seed(seed_for_rank(0, rank))))
     times: list[list[list[float]]] = [[] for _ in names]  # [variant][step] -> fwd, bwd, opt, cpu main, other
     memory: list[dict[str, int]] = [{} for _ in names]
-    counted_before: list[int | None] = [None for _ in names]
     losses: list[float] = [0.0 for _ in names]
     for step in range(warmup + steps):
-        if step == warmup:
-            counted_before = [_counted_communication(name, model, optimizer) for name, model, optimizer, _ in runs]
         order = list(enumerate(runs))
         for index, (name, model, optimizer, generator) in order if step % 2 == 0 else reversed(order):
             x, y = batches(tokens, batch_size, sequence_length, generator)
@@ -203,14 +177,7 @@ def run_on_each_rank(names: list[str], steps: int, warmup: int, batch_size: int,
             timing = timed_step(model, optimizer, x, y, after_step=measure if last else None)
             if step >= warmup:
                 times[index].append(timing)
-    counted = []
-    for (name, model, optimizer, _), before in zip(runs, counted_before, strict=True):
-        after = _counted_communication(name, model, optimizer)
-        per_step = None if after is None else (after - before) / steps
-        if per_step is not None and name == "labkit ZeRO-1":
-            per_step += model.bytes_per_step
-        counted.append(per_step)
-    layout = [_layout_communication(name, model, optimizer) for name, model, optimizer, _ in runs]
+    layout, counted = zip(*(_communication(name, model) for name, model, _, _ in runs), strict=True)
     parameters = sum(p.numel() for p in runs[0][1].parameters())
     return {"times": times, "memory": memory, "counted": counted, "layout": layout, "losses": losses,
             "parameters": parameters}
@@ -279,7 +246,7 @@ def main() -> None:
             memory_verdicts.append((name, ratios, per_rank, model))
     print("\nweights ... other: the larger rank's breakdown (other = Adam's step counters, one scalar per local "
           "tensor); meas/model: the rank farthest from the model;\ncomm MB/step: bytes entering collectives per "
-          "step from the layout, counted = what the classes counted while running, per timed step.")
+          "step from the layout, counted = what the classes counted while running the last step.")
     print("Not counted as model state: communication buffers (each DDP's persistent buckets: 4 bytes per "
           "parameter, another ~39.8 MB; ZeRO-2/3's transient full-size buffers).\n")
 

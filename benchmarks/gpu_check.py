@@ -3,8 +3,10 @@
     python3 benchmarks/gpu_check.py          (or: bash benchmarks/gpu_check.sh)
 
 On one GPU:
-1. ``labkit.launch`` with ``backend="nccl"`` and 1 rank: an all-reduce, labkit's ring all-reduce, and one
-   labkit-DDP training step of TinyGPT on ``cuda:0`` (the NCCL code paths, end to end);
+1. ``labkit.launch`` with ``backend="nccl"`` and 1 rank: an all-reduce, labkit's ring all-reduce, a
+   ``Mesh(dp=1)`` on ``cuda`` device meshes, and one training step of TinyGPT on ``cuda:0`` through every
+   wrapper's contract (DDP, ZeRO-1, ZeRO-2, FSDP in bf16: bytes measured == predicted, full state on the GPU;
+   the NCCL code paths, end to end);
 2. TinyGPT ("10m" preset) training step time in fp32, bf16 autocast, and fp16 autocast with labkit's
    ``DynamicLossScaler`` (and with ``torch.amp.GradScaler`` beside it), with the peak memory of each from
    ``torch.cuda.max_memory_allocated``.  Median of timed steps after warm-up, ``torch.cuda.synchronize`` around.
@@ -24,8 +26,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from labkit import collectives, data, launch  # noqa: E402
-from labkit.ddp import DistributedDataParallel  # noqa: E402
+from labkit.mesh import Mesh  # noqa: E402
 from labkit.models import GPTConfig, TinyGPT  # noqa: E402
+from labkit.parallel.ddp import DistributedDataParallel  # noqa: E402
+from labkit.parallel.fsdp import FullyShardedDataParallel  # noqa: E402
+from labkit.parallel.zero import ZeroDataParallel  # noqa: E402
 from labkit.precision import DynamicLossScaler  # noqa: E402
 
 
@@ -35,15 +40,32 @@ def nccl_paths() -> dict:
     dist.all_reduce(tensor)
     ring = torch.arange(1000.0, device=device)
     collectives.ring_all_reduce(ring)
+    mesh = Mesh(dp=dist.get_world_size())
     config = GPTConfig.preset("1m")
-    model = DistributedDataParallel(TinyGPT(config, seed=0).to(device))
     tokens = data.MarkovChain().sample(20_000, seed=0)
     x, y = (t.to(device) for t in data.batches(tokens, 4, config.block_size, torch.Generator().manual_seed(0)))
-    loss = model(x, y)[1]
-    loss.backward()
+    wrappers = {
+        "ddp": lambda m: DistributedDataParallel(m, group=mesh.group("dp")),
+        "zero1": lambda m: ZeroDataParallel(m, stage=1, group=mesh.group("dp")),
+        "zero2": lambda m: ZeroDataParallel(m, stage=2, group=mesh.group("dp")),
+        "fsdp bf16": lambda m: FullyShardedDataParallel(m, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                        group=mesh.group("dp")),
+    }
+    contract = {}
+    for name, wrap in wrappers.items():
+        model = wrap(TinyGPT(config, seed=0).to(device))
+        optimizer = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
+        loss = model(x, y)[1]
+        loss.backward()
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+        full = model.full_state_dict()
+        contract[name] = {"loss": round(loss.item(), 4),
+                          "bytes_ok": model.communication_per_step() == model.predicted_communication(),
+                          "state_on": str(next(iter(full.values())).device)}
     return {"backend": dist.get_backend(), "all_reduce": tensor[0].item(), "ring_ok": bool(
-        torch.equal(ring.cpu(), torch.arange(1000.0))), "ddp_loss": loss.item(),
-        "grads_on": str(next(model.module.parameters()).grad.device)}
+        torch.equal(ring.cpu(), torch.arange(1000.0))), "mesh": mesh.coords(),
+        "mesh_device": mesh.device_mesh.device_type, "contract": contract}
 
 
 def time_mode(mode: str, steps: int = 10, warmup: int = 3, batch: int = 16) -> tuple[float, int, int]:
@@ -88,7 +110,9 @@ def main() -> int:
           f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
     result = launch.launch(nccl_paths, nprocs=1, backend="nccl", timeout=300)[0]
     print(f"1. NCCL via labkit.launch: {result}")
-    broken = result["backend"] != "nccl" or result["all_reduce"] != 1.0 or not result["ring_ok"]
+    broken = result["backend"] != "nccl" or result["all_reduce"] != 1.0 or not result["ring_ok"] or \
+        result["mesh_device"] != "cuda" or not all(case["bytes_ok"] and case["state_on"].startswith("cuda")
+                                                   for case in result["contract"].values())
     print("\n2. TinyGPT 10m (9.96M parameters), batch 16 x 256 tokens, AdamW, one GPU")
     print(f"{'mode':<20} {'ms/step':>8} {'vs fp32':>8} {'peak MiB':>9} {'skipped':>8}")
     baseline = None

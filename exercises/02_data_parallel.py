@@ -34,7 +34,7 @@ def average_gradient_hook(parameter: torch.Tensor) -> None:
 
 
 def assign_buckets(sizes_in_bytes: list[int], bucket_cap_bytes: int) -> list[list[int]]:
-    """Group parameter indices into buckets for all-reduce, as ``labkit.ddp`` does.
+    """Group parameter indices into buckets for all-reduce, as ``labkit.parallel.ddp`` does.
 
     Walk the parameters from the *last* to the first (gradients become ready in roughly that order during
     backward), adding each to the current bucket — unless it would push a non-empty bucket past

@@ -9,7 +9,7 @@ that works for a batch of ``base_batch`` samples becomes ``base_lr * global_batc
 large rate diverges in the first steps, it is reached by a **linear warmup**, starting from
 ``warmup_start_factor`` times the scaled rate, and afterwards it **decays along a cosine** to 0.
 
-Conventions (the same as ``labkit.schedules``): ``step`` counts the optimizer steps already taken, so step 0 is
+Conventions (the same as ``labkit.lr``): ``step`` counts the optimizer steps already taken, so step 0 is
 the first update.  With ``peak`` the scaled rate, ``w = warmup_steps``, ``s = warmup_start_factor`` and
 ``T = total_steps``::
 

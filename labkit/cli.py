@@ -34,7 +34,7 @@ def _smoke_all_reduce() -> tuple[float, str]:
 
 def doctor(args: argparse.Namespace) -> int:
     """Print what this machine offers, then all-reduce once over 2 gloo ranks (or over the torchrun job)."""
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    under_torchrun = dist.in_torchrun()
     available = torch_dist.is_available()
     rows = [
         ("labkit", __version__),

@@ -44,24 +44,24 @@ close to ``n beta``, as the ring does for all-reduce.
 Results use the default process group or the one passed as ``group``; ranks in records are ranks *in that
 group* (positions on the ring).  Sums are computed in the tensor's dtype, as gloo and NCCL do.  Pass a list as
 ``record`` to get one plain dict per message sent (who sent which chunk to whom at which step, and how many
-bytes), which is what the notebook animates and what the tests compare with the cost model below.
+bytes), which is what the notebook animates and what the tests compare with the cost model
+(``labkit.costmodel.collectives``; ``labkit.measure.measure_alpha_beta`` fits alpha and beta on this machine).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import threading
-import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from labkit.dist import device as rank_device
+from labkit.costmodel.collectives import chunk_bounds
+from labkit.dist import global_rank, require_group
 
 # A segment is the unit of pipelining.  Small segments start forwarding sooner; large ones pay the
 # per-message cost (alpha, plus ~20 us of Python per isend/irecv) less often and hold bigger receive slots.
@@ -98,17 +98,12 @@ class _Ring:
         return dist.irecv(tensor, self._global(src), group=self.group)
 
     def _global(self, group_rank: int) -> int:
-        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+        return global_rank(self.group, group_rank)
 
 
 def _ring_of(group: dist.ProcessGroup | None) -> _Ring:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("no process group is initialised: run this inside labkit.launch.launch(fn, nprocs=N) "
-                           "or call torch.distributed.init_process_group first")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group {group!r}")
-    return _Ring(group, rank, dist.get_world_size(group))
+    group = require_group(group)
+    return _Ring(group, dist.get_rank(group), dist.get_world_size(group))
 
 
 def _check_tensor(tensor: object, record: object) -> None:
@@ -133,14 +128,6 @@ def _average(op: object, tensor: torch.Tensor) -> bool:
     return average
 
 
-def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each rank's chunk of ``numel`` elements: contiguous, in rank order, sizes differing
-    by at most one — the first ``numel % world_size`` chunks take one extra element.  Chunks may be empty."""
-    if numel < 0 or world_size < 1:
-        raise ValueError(f"need numel >= 0 and world_size >= 1, got numel={numel}, world_size={world_size}")
-    base, extra = divmod(numel, world_size)
-    starts = [rank * base + min(rank, extra) for rank in range(world_size + 1)]
-    return [(starts[rank], starts[rank + 1]) for rank in range(world_size)]
 
 
 @contextmanager
@@ -413,234 +400,3 @@ def tree_all_reduce(tensor: torch.Tensor, op: object = "sum", group: dist.Proces
         elif average:
             flat.div_(ring.world_size)
     return tensor
-
-
-# --------------------------------------------------------------------------------------------------------
-# The alpha-beta cost model
-
-
-@dataclass(frozen=True)
-class LinkModel:
-    """One link: a message of ``m`` bytes takes ``alpha_s + m * beta_s_per_byte`` seconds.
-
-    The defaults (20 us, 1 GB/s) are only a plausible start; :func:`measure_alpha_beta` fits the real ones."""
-
-    alpha_s: float = 20e-6
-    beta_s_per_byte: float = 1 / 1e9
-
-    @property
-    def bandwidth_bytes_per_s(self) -> float:
-        return 1.0 / self.beta_s_per_byte
-
-
-@dataclass(frozen=True)
-class CollectiveCost:
-    """What a collective costs: predicted seconds, message rounds, and bytes sent by each rank (index = rank)."""
-
-    time_s: float
-    steps: int
-    bytes_sent: list[int]
-
-
-def _chunk_bytes(nbytes: int, world_size: int, element_size: int) -> list[int]:
-    if nbytes % element_size:
-        raise ValueError(f"nbytes={nbytes} is not a whole number of {element_size}-byte elements")
-    return [(stop - start) * element_size for start, stop in chunk_bounds(nbytes // element_size, world_size)]
-
-
-def ring_reduce_scatter_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel(),
-                             element_size: int = 4) -> CollectiveCost:
-    """Ring reduce-scatter of an ``nbytes`` tensor: ``N-1`` steps of one chunk each, ``(N-1)/N * n`` bytes per
-    rank, time ``(N-1) (alpha + n/N beta)``.  Exactly: rank ``r`` sends every chunk but its own."""
-    chunks = _chunk_bytes(nbytes, world_size, element_size)
-    sent = [nbytes - chunks[rank] for rank in range(world_size)] if world_size > 1 else [0]
-    steps = world_size - 1
-    return CollectiveCost(steps * (link.alpha_s + max(chunks) * link.beta_s_per_byte), steps, sent)
-
-
-def ring_all_gather_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel(),
-                         element_size: int = 4) -> CollectiveCost:
-    """Ring all-gather into an ``nbytes`` tensor: ``N-1`` steps, ``(N-1)/N * n`` bytes per rank, time
-    ``(N-1) (alpha + n/N beta)``.  Exactly: rank ``r`` sends every chunk but its right neighbour's."""
-    chunks = _chunk_bytes(nbytes, world_size, element_size)
-    sent = [nbytes - chunks[(rank + 1) % world_size] for rank in range(world_size)] if world_size > 1 else [0]
-    steps = world_size - 1
-    return CollectiveCost(steps * (link.alpha_s + max(chunks) * link.beta_s_per_byte), steps, sent)
-
-
-def ring_all_reduce_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel(),
-                         element_size: int = 4) -> CollectiveCost:
-    """Ring all-reduce: reduce-scatter then all-gather.  ``2 (N-1)`` steps, ``2 (N-1)/N * n`` bytes per rank,
-    time ``2 (N-1) alpha + 2 (N-1)/N * n beta`` — the bandwidth term tends to ``2 n beta``, independent of N.
-
-    ``bytes_sent`` is exact, uneven splits included (chunks are whole ``element_size``-byte elements); the time
-    counts each step at the largest chunk and leaves out the time spent adding."""
-    scatter = ring_reduce_scatter_cost(nbytes, world_size, link, element_size)
-    gather = ring_all_gather_cost(nbytes, world_size, link, element_size)
-    return CollectiveCost(scatter.time_s + gather.time_s, scatter.steps + gather.steps,
-                          [a + b for a, b in zip(scatter.bytes_sent, gather.bytes_sent, strict=True)])
-
-
-def naive_all_reduce_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel()) -> CollectiveCost:
-    """Parameter server: the root receives ``(N-1) n`` and sends ``(N-1) n`` bytes, every other rank sends ``n``.
-    Its one link serialises ``2 (N-1)`` messages: time ``2 (N-1) (alpha + n beta)``, linear in N."""
-    if world_size == 1 or nbytes == 0:
-        return CollectiveCost(0.0, 0, [0] * world_size)
-    sent = [(world_size - 1) * nbytes] + [nbytes] * (world_size - 1)
-    steps = 2 * (world_size - 1)
-    return CollectiveCost(steps * (link.alpha_s + nbytes * link.beta_s_per_byte), steps, sent)
-
-
-def tree_broadcast_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel(), src: int = 0) -> CollectiveCost:
-    """Binomial-tree broadcast: ``R = ceil(log2 N)`` rounds of the whole message, time ``R (alpha + n beta)``.
-
-    Counting ranks from the root, in round ``k`` the holders are the multiples of ``2d`` with ``d = 2^(R-1-k)``
-    and each sends one copy ``d`` places on (if that rank exists): the root sends ``R n`` bytes, half the ranks
-    send nothing, and ``(N-1) n`` bytes move in all."""
-    rounds = math.ceil(math.log2(world_size)) if world_size > 1 else 0
-    sent = [0] * world_size
-    for round_number in range(rounds):
-        distance = 1 << (rounds - 1 - round_number)
-        for relative in range(0, world_size, 2 * distance):
-            if relative + distance < world_size and nbytes > 0:
-                sent[(relative + src) % world_size] += nbytes
-    return CollectiveCost(rounds * (link.alpha_s + nbytes * link.beta_s_per_byte) if nbytes else 0.0, rounds, sent)
-
-
-def tree_all_reduce_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel()) -> CollectiveCost:
-    """Binomial-tree all-reduce: reduce to rank 0 (every other rank sends ``n`` once), then a tree broadcast.
-    ``2 ceil(log2 N)`` rounds of the whole message: time ``2 ceil(log2 N) (alpha + n beta)``."""
-    down = tree_broadcast_cost(nbytes, world_size, link, src=0)
-    up = [nbytes if rank > 0 and nbytes > 0 else 0 for rank in range(world_size)]
-    return CollectiveCost(2 * down.time_s, 2 * down.steps, [a + b for a, b in zip(up, down.bytes_sent, strict=True)])
-
-
-_BUS_FACTORS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
-
-
-def bus_bandwidth(nbytes: int, seconds: float, world_size: int, collective: str = "all_reduce") -> float:
-    """Bus bandwidth in bytes/s, NCCL-tests' convention: ``algbw = nbytes / seconds`` times a factor that makes
-    a bandwidth-optimal algorithm's number equal the link speed (all-reduce ``2 (N-1)/N``, reduce-scatter and
-    all-gather ``(N-1)/N`` with ``nbytes`` the full tensor, broadcast 1)."""
-    if collective not in _BUS_FACTORS:
-        raise ValueError(f"collective must be one of {sorted(_BUS_FACTORS)}, got {collective!r}")
-    if seconds <= 0:
-        raise ValueError(f"seconds must be positive, got {seconds!r}")
-    return nbytes / seconds * _BUS_FACTORS[collective](world_size)
-
-
-def measure_alpha_beta(sizes: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22),
-                       iterations: int = 10, group: dist.ProcessGroup | None = None,
-                       pattern: str = "ring") -> LinkModel:
-    """Fit the alpha-beta model to timed messages (call it on every rank; every rank returns the same fit).
-
-    ``pattern="ring"`` times one *ring step*: every rank sends ``m`` bytes to its right neighbour while
-    receiving ``m`` from its left, all at once — the links used the way the ring algorithms use them.
-    ``pattern="ping-pong"`` times ranks 0 and 1 alone, bouncing a message back and forth (half a round trip
-    per message), as latency benchmarks do.  On dedicated links (NVLink, InfiniBand) the two agree; on one
-    machine's CPUs (gloo over loopback) all ranks share the same cores and memory, so the ring's beta is larger
-    and is the one that predicts a ring collective.
-
-    ``alpha`` and ``beta`` come from :func:`fit_alpha_beta` on the median times; rank 0's fit is broadcast.
-    """
-    ring = _ring_of(group)
-    if pattern not in ("ring", "ping-pong"):
-        raise ValueError(f"pattern must be 'ring' or 'ping-pong', got {pattern!r}")
-    if ring.world_size < 2:
-        raise ValueError("measure_alpha_beta needs at least 2 ranks to send messages between")
-    fit = torch.zeros(2, dtype=torch.float64, device=rank_device())
-    right, left = (ring.rank + 1) % ring.world_size, (ring.rank - 1) % ring.world_size
-    if pattern == "ring" or ring.rank in (0, 1):
-        times = []
-        for nbytes in sizes:
-            outgoing = torch.zeros(nbytes, dtype=torch.uint8, device=fit.device)
-            incoming = torch.empty_like(outgoing)
-            samples = []
-            for _ in range(iterations + 1):  # the first is a warm-up
-                begin = time.perf_counter()
-                if pattern == "ring":
-                    receive = ring.irecv(incoming, left)
-                    ring.isend(outgoing, right, None, "", "", 0, 0).wait()
-                    receive.wait()
-                elif ring.rank == 0:
-                    ring.isend(outgoing, 1, None, "", "", 0, 0).wait()
-                    ring.irecv(incoming, 1).wait()
-                else:
-                    ring.irecv(incoming, 0).wait()
-                    ring.isend(outgoing, 0, None, "", "", 0, 0).wait()
-                if outgoing.is_cuda:  # under NCCL, wait() only orders streams; the clock needs the GPU done
-                    torch.cuda.synchronize(outgoing.device)
-                samples.append((time.perf_counter() - begin) / (1 if pattern == "ring" else 2))
-            times.append(statistics.median(samples[1:]))
-        if ring.rank == 0:
-            link = fit_alpha_beta(sizes, times)
-            fit = torch.tensor([link.alpha_s, link.beta_s_per_byte], dtype=torch.float64, device=fit.device)
-    broadcast(fit, src=0, group=group)
-    return LinkModel(alpha_s=float(fit[0]), beta_s_per_byte=float(fit[1]))
-
-
-def fit_alpha_beta(sizes: list[int] | tuple[int, ...], seconds: list[float]) -> LinkModel:
-    """The alpha-beta line through measured ``(message bytes, seconds)`` points.
-
-    Least squares weighted by ``1/time``, so small messages (which pin down alpha) count as much as large
-    ones (which pin down beta).  Noise can tilt the line: a negative alpha is clipped to 0, and if the slope
-    comes out non-positive (the size dependence drowned in noise — a busy machine) the fit falls back to the
-    two-point estimate ``alpha = fastest time``, ``beta = (largest message's time - alpha) / its size``.
-    """
-    if len(sizes) != len(seconds) or len(sizes) < 2:
-        raise ValueError(f"need at least two (size, seconds) points of equal count, got {len(sizes)} and "
-                         f"{len(seconds)}")
-    times = torch.tensor(seconds, dtype=torch.float64)
-    if not bool((times > 0).all()):
-        raise ValueError(f"seconds must all be positive, got {list(seconds)}")
-    weights = 1.0 / times
-    design = torch.stack([torch.ones_like(times), torch.tensor(sizes, dtype=torch.float64)], dim=1)
-    alpha, beta = torch.linalg.lstsq(design * weights[:, None], (times * weights)[:, None]).solution.flatten()
-    alpha, beta = max(float(alpha), 0.0), float(beta)
-    if beta <= 0:
-        largest = max(range(len(sizes)), key=lambda index: sizes[index])
-        alpha = float(times.min())
-        beta = max(float(times[largest]) - alpha, float(times[largest]) * 1e-3) / max(sizes[largest], 1)
-    return LinkModel(alpha_s=alpha, beta_s_per_byte=beta)
-
-
-def time_collectives(algorithms: dict[str, Callable[[torch.Tensor], object]], sizes: list[int],
-                     batches: int = 5, dtype: torch.dtype = torch.float32,
-                     group: dist.ProcessGroup | None = None) -> dict[str, list[float]]:
-    """Seconds per call of each collective at each message size, timed the way NCCL-tests does (call it on
-    every rank of a launched job; every rank returns the same numbers).
-
-    For each size, after a warm-up call, ``batches`` rounds run every algorithm in turn (so a burst of load from
-    elsewhere hits all of them alike); each round is a barrier, then a batch of back-to-back calls (enough to
-    move ~32 MiB, at least 2), divided by the number of calls.  A batch's time is its slowest rank's — a
-    collective is done when the last rank is — and the result is the median over batches.  Tensors are zeros,
-    so repeated sums never overflow.
-    """
-    timed: dict[str, list[float]] = {name: [] for name in algorithms}
-    for nbytes in sizes:
-        tensor = torch.zeros(nbytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype,
-                             device=rank_device())
-        calls = max(2, min(20, (32 << 20) // max(nbytes, 1)))
-        for run in algorithms.values():  # warm-up: connections, buffers, page faults
-            run(tensor)
-        samples: dict[str, list[float]] = {name: [] for name in algorithms}
-        for _ in range(batches):
-            for name, run in algorithms.items():
-                dist.barrier(group=group)
-                begin = time.perf_counter()
-                for _ in range(calls):
-                    run(tensor)
-                if tensor.is_cuda:
-                    torch.cuda.synchronize(tensor.device)
-                elapsed = torch.tensor([(time.perf_counter() - begin) / calls], dtype=torch.float64,
-                                       device=tensor.device)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
-                samples[name].append(float(elapsed))
-        for name in algorithms:
-            timed[name].append(statistics.median(samples[name]))
-    return timed

@@ -28,10 +28,21 @@ few are never seen — and giving rank ``r`` every ``world_size``-th index from 
 ``sampler.set_epoch(epoch)`` silently replays the same order every epoch.
 :func:`shard_with_distributed_sampler` shows all of that without a process group.
 
+**Shard by the data-parallel rank, not the global rank.**  Only data-parallel replicas take different data.
+The ``t`` ranks of a tensor-parallel group compute one replica together, each holding part of every matrix, so
+they must see the *same* batch; so must the stages of one pipeline (the first needs the inputs, the last the
+targets).  On a mesh of ``dp x tp x pp`` ranks there are ``dp`` different batches per step, and the global batch
+is the per-replica batch times ``dp``, not times the world size.  :func:`data_parallel_shard` and
+:func:`data_parallel_generator` take the data-parallel rank and size (``mesh.rank("dp")``,
+``mesh.size("dp")``); under plain data parallelism they are the global rank and world size.  Seeding by the
+global rank instead gives two tensor-parallel peers different batches, and the row-parallel all-reduce adds up
+partial results of two different batches: no error, just a wrong model.
+
 **Per-rank seeds.**  Model initialisation must be *identical* on every rank (or broadcast from rank 0), but
 randomness applied to *data* — augmentation, noise, dropout masks — must *differ*, or the ranks make the same
 "random" choice for their samples in lock-step and a world of N ranks explores no more augmentations than
-one.  :func:`seed_for_rank` is the usual fix; :func:`augmentation_overlap` measures the bug.
+one.  :func:`seed_for_rank` is the usual fix (given the data-parallel rank, for the reason above);
+:func:`augmentation_overlap` measures the bug.
 """
 
 from __future__ import annotations
@@ -194,7 +205,7 @@ def batches(tokens: torch.Tensor, batch_size: int, block_size: int,
     """One random batch: ``batch_size`` windows at random offsets, ``x`` and ``y`` both ``[batch_size, block_size]``.
 
     The training loops' sampler (nanoGPT's ``get_batch``): cheaper than a DataLoader over :class:`CharDataset`,
-    and a per-rank ``generator`` (seeded with :func:`seed_for_rank`) gives each rank its own batches.
+    and a ``generator`` from :func:`data_parallel_generator` gives each data-parallel replica its own batches.
     """
     _check_positive(batch_size=batch_size, block_size=block_size)
     if tokens.dim() != 1 or tokens.numel() <= block_size:
@@ -209,24 +220,51 @@ def batches(tokens: torch.Tensor, batch_size: int, block_size: int,
 # Sharding and per-rank seeds
 
 
-def shard_with_distributed_sampler(dataset_len: int, world_size: int, epoch: int, shuffle: bool = True,
-                                   seed: int = 0, drop_last: bool = False) -> list[list[int]]:
-    """The indices each rank's ``DistributedSampler`` yields in ``epoch``: ``result[rank]`` is rank's list.
+def data_parallel_shard(dataset_len: int, dp_rank: int, dp_size: int, epoch: int, shuffle: bool = True,
+                        seed: int = 0, drop_last: bool = False) -> list[int]:
+    """The indices data-parallel replica ``dp_rank`` of ``dp_size`` reads in ``epoch``: what its
+    ``DistributedSampler(num_replicas=dp_size, rank=dp_rank)`` yields.
 
-    Uses PyTorch's own sampler with explicit ``num_replicas``/``rank``, so no process group is needed.  Every
-    rank gets ``ceil(dataset_len / world_size)`` indices (``drop_last=False``: the list is padded with indices
-    from its start) or ``floor(...)`` (``drop_last=True``: the tail is dropped).
+    Every rank with the same data-parallel rank (its tensor- and pipeline-parallel peers) gets the same list.
+    ``ceil(dataset_len / dp_size)`` indices (``drop_last=False``: the list is padded with indices from its
+    start) or ``floor(...)`` (``drop_last=True``: the tail is dropped).  No process group is needed.
     """
-    _check_positive(dataset_len=dataset_len, world_size=world_size)
+    _check_positive(dataset_len=dataset_len)
+    _check_data_parallel_rank(dp_rank, dp_size)
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
-    shards = []
-    for rank in range(world_size):
-        sampler = DistributedSampler(range(dataset_len), num_replicas=world_size, rank=rank, shuffle=shuffle,
-                                     seed=seed, drop_last=drop_last)
-        sampler.set_epoch(epoch)
-        shards.append(list(sampler))
-    return shards
+    sampler = DistributedSampler(range(dataset_len), num_replicas=dp_size, rank=dp_rank, shuffle=shuffle,
+                                 seed=seed, drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def shard_with_distributed_sampler(dataset_len: int, world_size: int, epoch: int, shuffle: bool = True,
+                                   seed: int = 0, drop_last: bool = False) -> list[list[int]]:
+    """The indices each rank's ``DistributedSampler`` yields in ``epoch``: ``result[rank]`` is rank's list
+    (:func:`data_parallel_shard` for every rank of a plain data-parallel world)."""
+    _check_positive(world_size=world_size)
+    return [data_parallel_shard(dataset_len, rank, world_size, epoch, shuffle, seed, drop_last)
+            for rank in range(world_size)]
+
+
+def data_parallel_generator(seed: int, dp_rank: int, dp_size: int) -> torch.Generator:
+    """The generator a rank draws its batches from (``batches(tokens, ..., generator)``), seeded with
+    ``seed_for_rank(seed, dp_rank)``: different for each data-parallel replica, the same for the tensor- and
+    pipeline-parallel ranks within one, which therefore draw identical batches step after step.
+
+    ``dp_rank`` and ``dp_size`` are ``mesh.rank("dp")`` and ``mesh.size("dp")`` (under plain data
+    parallelism: ``dist.rank()`` and ``dist.world_size()``).
+    """
+    _check_data_parallel_rank(dp_rank, dp_size)
+    return torch.Generator().manual_seed(seed_for_rank(seed, dp_rank))
+
+
+def _check_data_parallel_rank(dp_rank: int, dp_size: int) -> None:
+    _check_positive(dp_size=dp_size)
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be an integer in [0, dp_size={dp_size}), got {dp_rank!r} (pass the "
+                         f"data-parallel rank, e.g. mesh.rank('dp'), not the global rank)")
 
 
 def seed_for_rank(seed: int, rank: int) -> int:

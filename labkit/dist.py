@@ -23,6 +23,7 @@ Before a process group exists these functions fall back to the environment varia
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -123,3 +124,42 @@ def device() -> torch.device:
 def describe() -> str:
     """One line naming this rank, e.g. ``rank 1/4 (local 1) gloo cpu`` — handy at the start of a log."""
     return f"rank {rank()}/{world_size()} (local {local_rank()}) {backend() or 'no-group'} {device()}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Groups: the one copy of the helpers every technique needs
+
+def in_torchrun() -> bool:
+    """True inside a job started by ``torchrun`` (or anything that sets ``RANK`` and ``WORLD_SIZE``), or when
+    this process already belongs to a process group: then ``labkit.launch`` runs in place instead of forking."""
+    return is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def require_group(group: Any = None) -> torch_dist.ProcessGroup | None:
+    """Check that a process group exists and that this process belongs to ``group``; return the group.
+
+    ``group`` may be ``None`` (every rank), a ``ProcessGroup``, or a one-dimensional ``DeviceMesh`` (such as
+    ``Mesh.device_mesh["dp"]``), whose group is returned.  Raises ``RuntimeError`` without a process group and
+    ``ValueError`` when this process is not a member, naming the global rank.
+    """
+    if not is_initialized():
+        raise RuntimeError("no process group is initialised: run this inside labkit.launch.launch(fn, "
+                           "nprocs=N) or call torch.distributed.init_process_group first")
+    if group is torch_dist.GroupMember.NON_GROUP_MEMBER:  # what new_group hands a rank it does not include
+        raise ValueError(f"this process (global rank {torch_dist.get_rank()}) is not a member of the group it was "
+                         "given (new_group returned GroupMember.NON_GROUP_MEMBER on this rank)")
+    if group is not None and not isinstance(group, torch_dist.ProcessGroup):
+        get_group = getattr(group, "get_group", None)
+        if get_group is None or getattr(group, "ndim", 1) != 1:
+            raise TypeError(f"group must be None, a torch.distributed.ProcessGroup or a one-dimensional "
+                            f"DeviceMesh (e.g. mesh.group('dp')), got {type(group).__name__}: {group!r:.80}")
+        group = get_group()
+    if group is not None and torch_dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {torch_dist.get_rank()}) is not a member of group {group!r}")
+    return group
+
+
+def global_rank(group: torch_dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (what ``send``, ``recv``, ``broadcast(src=)`` and
+    ``gather(dst=)`` expect, whatever group they are given)."""
+    return group_rank if group is None else torch_dist.get_global_rank(group, group_rank)

@@ -36,20 +36,13 @@ How it works, and what it guarantees:
 from __future__ import annotations
 
 import atexit
-import ctypes
-import datetime
-import faulthandler
-import io
 import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
@@ -57,7 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from labkit import dist
+from labkit import dist, worker
+from labkit.worker import RankConfig, rank_main, send_quietly, to_cpu
 
 RANK_OUTPUT_MODES = ("live", "grouped", "none")
 
@@ -126,7 +120,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 4, backend: str = "
         CollectiveTimeout: ranks were still running after ``timeout`` seconds.
     """
     _validate(fn, nprocs, backend, timeout, rank_output)
-    if _inside_a_job():
+    if dist.in_torchrun():
         return _run_in_place(fn, args, kwargs, nprocs, backend)
     resolved = dist.resolve_backend(backend, nprocs)
     start_method = _start_method(resolved, fn, args, kwargs)
@@ -146,10 +140,6 @@ def _validate(fn: Any, nprocs: Any, backend: Any, timeout: Any, rank_output: Any
         raise ValueError(f"rank_output must be one of {RANK_OUTPUT_MODES}, got {rank_output!r}")
 
 
-def _inside_a_job() -> bool:
-    return dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def _run_in_place(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int, backend: str) -> list[Any]:
     """Under torchrun (or inside a rank): run on this rank, all-gather every rank's result."""
     if not dist.is_initialized():
@@ -161,7 +151,7 @@ def _run_in_place(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int
         atexit.register(_destroy_group_at_exit)  # a live group at interpreter exit can abort the process
     if nprocs != dist.world_size() and dist.is_main():
         print(f"labkit.launch: running on the job's {dist.world_size()} ranks (nprocs={nprocs} ignored)")
-    result = _to_cpu(fn(*args, **kwargs))
+    result = to_cpu(fn(*args, **kwargs))
     gathered: list[Any] = [None] * dist.world_size()
     torch_dist.all_gather_object(gathered, result)
     return gathered
@@ -210,9 +200,9 @@ class _Launcher:
         try:
             for rank in range(self.nprocs):
                 parent_end, child_end = self.context.Pipe(duplex=True)
-                config = _RankConfig(rank, self.nprocs, self.backend, group_timeout, threads,
+                config = RankConfig(rank, self.nprocs, self.backend, group_timeout, threads,
                                      os.path.join(self.scratch, f"stack-{rank}.txt"), os.getpid())
-                process = self.context.Process(target=_rank_main, name=f"labkit-rank-{rank}",
+                process = self.context.Process(target=rank_main, name=f"labkit-rank-{rank}",
                                                args=(config, self.fn, self.args, self.kwargs, child_end))
                 process.start()
                 child_end.close()
@@ -221,7 +211,7 @@ class _Launcher:
             results = self._collect()
             released = True
             for reader in self.readers.values():
-                _send_quietly(reader, ("release",))
+                send_quietly(reader, ("release",))
             return results
         finally:
             self._stop_all(grace=10.0 if released else 0.0)
@@ -299,7 +289,7 @@ class _Launcher:
             elif kind == "port":  # rank 0 hosts the rendezvous store; tell the others where it is
                 for other_rank, other in self.readers.items():
                     if other_rank != rank:
-                        _send_quietly(other, ("port", payload[0]))
+                        send_quietly(other, ("port", payload[0]))
             else:
                 messages.append((kind, payload[0]))
         return messages
@@ -361,170 +351,13 @@ class _Launcher:
 
 
 # --------------------------------------------------------------------------------------------------------
-# The rank side
-
-
-class _RankConfig:
-    def __init__(self, rank, world_size, backend, group_timeout, threads, stack_path, parent_pid):
-        self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.group_timeout, self.threads, self.stack_path, self.parent_pid = group_timeout, threads, stack_path, parent_pid
-
-
-def _rank_main(config: _RankConfig, fn, args, kwargs, connection) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C / kernel interrupts and stops us
-    _die_with_parent(config.parent_pid)
-    sender = _Sender(connection)
-    sys.stdout = _LineForwarder(sender, "stdout")
-    sys.stderr = _LineForwarder(sender, "stderr")
-    stack_file = open(config.stack_path, "w")  # noqa: SIM115 — kept open for faulthandler until exit
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
-    os.environ.update({
-        "RANK": str(config.rank), "WORLD_SIZE": str(config.world_size),
-        "LOCAL_RANK": str(config.rank), "LOCAL_WORLD_SIZE": str(config.world_size),
-        "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(config.threads),
-    })
-    loopback = _loopback_interface()
-    if loopback:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    torch.set_num_threads(config.threads)
-    try:
-        if config.backend == "nccl":
-            torch.cuda.set_device(config.rank)
-        timeout = datetime.timedelta(seconds=config.group_timeout)
-        # Rendezvous: rank 0 hosts the store on a port the OS picks (so concurrent launches never collide) and
-        # the parent forwards the port to the other ranks.  The parent itself runs no store thread, which
-        # would make forking unsafe.
-        if config.rank == 0:
-            store = torch_dist.TCPStore("127.0.0.1", 0, config.world_size, True, timeout=timeout,
-                                        wait_for_workers=False)
-            sender.send(("port", store.port))
-            port = store.port
-        else:
-            message = connection.recv()
-            port = message[1]
-            store = torch_dist.TCPStore("127.0.0.1", port, config.world_size, False, timeout=timeout)
-        os.environ["MASTER_PORT"] = str(port)
-        torch_dist.init_process_group(config.backend, store=store, rank=config.rank,
-                                      world_size=config.world_size, timeout=timeout)
-        result = fn(*args, **kwargs)
-        try:
-            payload = pickle.dumps(_to_cpu(result))
-        except Exception as error:
-            raise TypeError(f"rank {config.rank} returned {type(result).__name__}, which cannot be sent back to "
-                            f"the caller ({error}); return tensors, numbers or other picklable values") from error
-    except BaseException:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        sender.send(("error", _format_remote_exception()))
-        _wait_for_release(connection)  # stay connected so peers do not fail on our exit; the parent stops us
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sender.send(("result", payload))
-    _wait_for_release(connection)
-    try:
-        torch_dist.destroy_process_group()
-    finally:
-        os._exit(0)
-
-
-def _wait_for_release(connection) -> None:
-    """Block until the parent says every rank is done (or goes away)."""
-    try:
-        while connection.recv()[0] != "release":
-            pass
-    except (EOFError, OSError):
-        pass
-
-
-def _send_quietly(connection, message: tuple) -> None:
-    try:
-        connection.send(message)
-    except (BrokenPipeError, ConnectionResetError, OSError):
-        pass
-
-
-class _Sender:
-    """Thread-safe messages to the parent (a rank's threads may print concurrently)."""
-
-    def __init__(self, writer):
-        self.writer = writer
-        self.lock = threading.Lock()
-
-    def send(self, message: tuple) -> None:
-        with self.lock:
-            try:
-                self.writer.send(message)
-            except (BrokenPipeError, OSError):
-                pass
-
-
-class _LineForwarder(io.TextIOBase):
-    """A stand-in for sys.stdout/sys.stderr that forwards complete lines to the parent."""
-
-    def __init__(self, sender: _Sender, stream: str):
-        self.sender, self.stream, self.pending = sender, stream, ""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        self.pending += text
-        *lines, self.pending = self.pending.split("\n")
-        for line in lines:
-            self.sender.send(("out", self.stream, line))
-        return len(text)
-
-    def flush(self) -> None:
-        if self.pending:
-            self.sender.send(("out", self.stream, self.pending))
-            self.pending = ""
-
-
-# --------------------------------------------------------------------------------------------------------
 # Helpers
-
-
-def _to_cpu(value: Any) -> Any:
-    """Move tensors in (nested) results to the CPU, so the caller never initialises CUDA to read them."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu() if value.device.type != "cpu" else value.detach()
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_to_cpu(item) for item in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {key: _to_cpu(item) for key, item in value.items()}
-    return value
 
 
 def _cpu_count() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    for candidate in ("lo", "lo0"):
-        if candidate in names:
-            return candidate
-    return None
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: ask the kernel to kill this rank if the launching process dies (e.g. a restarted kernel)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            return
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 _PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
@@ -552,18 +385,10 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"the process exited with code {exitcode} before returning a result"
 
 
-def _format_remote_exception() -> str:
-    """The current exception's traceback, starting at the user's code (the launcher's frames are noise)."""
-    error_type, error, tb = sys.exc_info()
-    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(error_type, error, tb))
-
-
 def _format_faulthandler_dump(text: str) -> str:
     """faulthandler prints most recent call first; show it like a traceback, from the user's function on."""
     frames = [line.strip() for line in reversed(text.splitlines()) if line.strip().startswith("File ")]
-    launcher = [index for index, frame in enumerate(frames) if frame.startswith(f'File "{__file__}"')]
+    launcher = [index for index, frame in enumerate(frames) if frame.startswith(f'File "{worker.__file__}"')]
     if launcher:
         frames = frames[launcher[-1] + 1:]
     return "\n".join(frames)

@@ -2,7 +2,7 @@
 
 Every distributed technique in labkit is checked by training one of these two models and comparing with
 single-process training, so both are plain ``nn.Module``s that know nothing about parallelism (torchtitan's
-rule: parallelisms are applied *to* a model, from outside).  Three properties matter to the lessons:
+rule: parallelisms are applied *to* a model, from outside).  Four properties matter to the lessons:
 
 - **Deterministic initialisation.**  ``TinyGPT(config, seed=s)`` is bit-identical on every rank and every run,
   whatever the global random state, and does not consume it: the modules are first built on the *meta* device
@@ -14,11 +14,25 @@ rule: parallelisms are applied *to* a model, from outside).  Three properties ma
   twice, GPT-2's choice: it saves ``vocab_size * n_embd`` parameters).  Its gradient is the sum of two
   contributions, and anything that walks over parameters — DDP buckets, ZeRO shards, checkpoints — must count
   it once.  ``num_parameters()`` does.
-- **Per-block structure.**  ``TinyGPT.blocks`` is an ``nn.ModuleList`` of identical transformer blocks: the unit
-  that pipeline parallelism assigns to stages, FSDP wraps, and activation checkpointing recomputes.  Inside a
-  block, query, key and value are three separate ``nn.Linear`` layers (not one fused ``3 * n_embd`` projection):
-  a few percent slower, but tensor parallelism can split each one by heads along its output dimension without
-  untangling a fused weight.
+- **Pipeline stages.**  Pipeline parallelism gives each stage some of the blocks.  Following torchtitan, a stage
+  is *the same class with the pieces it does not own set to None*:
+  ``TinyGPT(config, seed, blocks=range(2, 4), embedding=False, head=False)`` holds blocks 2 and 3 only.
+  ``TinyGPT.blocks`` is an ``nn.ModuleList`` of ``n_layer`` slots indexed by the *global* block number (the
+  unit that pipeline stages own, FSDP wraps and activation checkpointing recomputes), a slot being ``None`` where
+  the block lives on another stage, so a stage's parameters keep the whole model's names
+  (``blocks.2.attn.query.weight``) and checkpoints, optimizers and tests can match them by name;
+  ``block_indices`` lists the slots held, and code that walks a stage's ``blocks`` skips the ``None`` slots.
+  The values are the whole model's too: a stage builds the whole model on ``meta``, then draws every random
+  number the whole model would draw, in the same order, and keeps only its own (the cost: the random draws of the
+  whole model, into one scratch tensor at a time).  The pieces are callable apart: ``embed(idx) -> x``, each
+  block ``x -> x``, ``head(x) -> logits`` (final norm and LM head) and ``loss(logits, targets)``; ``forward``
+  composes whatever the model holds.  A tied weight cannot be split between two stages, so a model holding only
+  one of the embedding and the head needs ``tie_weights=False``.
+- **Tensor-parallel heads.**  Inside a block, query, key and value are three separate ``nn.Linear`` layers (not
+  one fused ``3 * n_embd`` projection): a few percent slower, but tensor parallelism can split each one by heads
+  along its output dimension without untangling a fused weight.  Attention counts its heads from the width it
+  is given (``head_dim = n_embd // n_head`` is fixed), so a column-sharded query with ``n_embd / t`` outputs
+  runs ``n_head / t`` heads with the code unchanged.
 
 The GPT is GPT-2's design at toy size: token + position embeddings; ``n_layer`` pre-LayerNorm blocks, each
 ``x + attention(norm(x))`` then ``x + mlp(norm(x))``, with causal self-attention through
@@ -41,7 +55,7 @@ name       n_layer   n_head   n_embd   block_size  parameters
 
 Layer counts divide by 2 and 4 and head counts by 2 and 4, so every preset splits evenly over 2 or 4 pipeline
 stages or tensor-parallel ranks.  At float32 the weights alone take 4 bytes per parameter (the 50m preset:
-203 MB) and AdamW adds 8 more; ``labkit.memory`` accounts for the rest.
+203 MB) and AdamW adds 8 more; ``labkit.costmodel.memory`` accounts for the rest.
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -149,7 +164,7 @@ PRESETS = {
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
         self.query = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.key = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -158,14 +173,16 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
+        batch, time, _ = x.shape
 
-        def heads(projection: nn.Linear) -> torch.Tensor:  # [batch, n_head, time, head_size]
-            return projection(x).view(batch, time, self.n_head, -1).transpose(1, 2)
+        # [batch, heads, time, head_dim], as many heads as the projection's width holds: all n_head of them, or
+        # a tensor-parallel rank's share when the projection is column-sharded.
+        def heads(projection: nn.Linear) -> torch.Tensor:
+            return projection(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
 
         attended = F.scaled_dot_product_attention(heads(self.query), heads(self.key), heads(self.value),
                                                   dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        merged = attended.transpose(1, 2).reshape(batch, time, channels)
+        merged = attended.transpose(1, 2).reshape(batch, time, -1)  # the local width, heads side by side
         return self.resid_dropout(self.proj(merged))
 
 
@@ -194,11 +211,25 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """A decoder-only transformer.  ``forward(idx, targets=None) -> (logits, loss)``; see the module docstring."""
+    """A decoder-only transformer, or the part of one that a pipeline stage holds; see the module docstring.
 
-    def __init__(self, config: GPTConfig, seed: int = 0):
+    ``forward(idx, targets=None) -> (logits, loss)``.  ``blocks`` (global indices; default: all), ``embedding``
+    (token and position embeddings) and ``head`` (final norm and LM head) choose the pieces this model holds;
+    the others are ``None``.  Whatever it holds has the values, and the names, of the whole
+    ``TinyGPT(config, seed)``.
+    """
+
+    def __init__(self, config: GPTConfig, seed: int = 0, blocks: Iterable[int] | None = None,
+                 embedding: bool = True, head: bool = True):
         super().__init__()
         self.config = config
+        held = _check_blocks(blocks, config.n_layer)
+        if config.tie_weights and not (embedding and head):
+            raise ValueError(f"tie_weights=True makes the head and the embedding one weight, so a model holding "
+                             f"only one of them (embedding={embedding}, head={head}) cannot tie it: build the "
+                             f"pieces from a config with tie_weights=False")
+        if not (held or embedding or head):
+            raise ValueError("blocks is empty and embedding=False, head=False: the model would hold nothing")
         with torch.device("meta"):
             self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
             self.position_embedding = nn.Embedding(config.block_size, config.n_embd)
@@ -206,21 +237,41 @@ class TinyGPT(nn.Module):
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
             self.final_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        draws = self._random_weights()  # the whole model's, before any piece is dropped
+        for index in range(config.n_layer):
+            if index not in held:
+                self.blocks[index] = None
+        if not embedding:
+            self.token_embedding = self.position_embedding = self.dropout = None
+        if not head:
+            self.final_norm = self.lm_head = None
         self.to_empty(device="cpu")
         # Tie after materialising: moving off "meta" creates a new tensor per module and would untie them.
         if config.tie_weights:
             self.lm_head.weight = self.token_embedding.weight
-        self._initialise(torch.Generator().manual_seed(seed))
+        self._initialise(draws, torch.Generator().manual_seed(seed))
+
+    def _random_weights(self) -> list[tuple[str, torch.Size, float]]:
+        """``(module name, weight shape, std)`` of each weight drawn at random, in the order they are drawn."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        draws = []
+        for name, module in self.named_modules():
+            if module is self.lm_head and self.config.tie_weights:
+                continue  # it is the token embedding
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual = name.endswith((".attn.proj", ".mlp.proj"))
+                draws.append((name, module.weight.shape, residual_std if is_residual else 0.02))
+        return draws
 
     @torch.no_grad()
-    def _initialise(self, generator: torch.Generator) -> None:
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+    def _initialise(self, draws: list[tuple[str, torch.Size, float]], generator: torch.Generator) -> None:
+        held = dict(self.named_modules())
+        for name, shape, std in draws:
+            # A weight this model does not hold is drawn all the same, into scratch, so that the generator
+            # reaches each held weight in the state the whole model's would: same seed, same values.
+            weight = held[name].weight if name in held else torch.empty(shape)
+            weight.normal_(0.0, std, generator=generator)
         for module in self.modules():
-            if module is self.lm_head and self.config.tie_weights:
-                continue  # already initialised as the token embedding
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual = any(module is block.attn.proj or module is block.mlp.proj for block in self.blocks)
-                module.weight.normal_(0.0, residual_std if is_residual else 0.02, generator=generator)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 module.bias.zero_()
             if isinstance(module, nn.LayerNorm):
@@ -228,27 +279,59 @@ class TinyGPT(nn.Module):
                 if module.bias is not None:
                     module.bias.zero_()
 
-    def forward(self, idx: torch.Tensor,
-                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``idx`` ``[batch, time]`` token ids -> logits ``[batch, time, vocab_size]`` and the mean cross-entropy
-        against ``targets`` (same shape as ``idx``), or ``None`` without targets."""
+    @property
+    def block_indices(self) -> tuple[int, ...]:
+        """The global indices of the blocks this model holds, in order (``0 .. n_layer - 1`` when whole)."""
+        return tuple(index for index, block in enumerate(self.blocks) if block is not None)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[batch, time]`` -> the residual stream ``[batch, time, n_embd]``."""
+        if self.token_embedding is None:
+            raise ValueError("this model does not hold the embedding (built with embedding=False)")
         time = idx.shape[-1]
         if time > self.config.block_size:
             raise ValueError(f"sequence length {time} exceeds block_size={self.config.block_size}")
         positions = torch.arange(time, device=idx.device)
-        x = self.dropout(self.token_embedding(idx) + self.position_embedding(positions))
+        return self.dropout(self.token_embedding(idx) + self.position_embedding(positions))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``[batch, time, n_embd]`` -> logits ``[batch, time, vocab_size]``."""
+        if self.lm_head is None:
+            raise ValueError("this model does not hold the head (built with head=False)")
+        return self.lm_head(self.final_norm(x))
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of ``logits`` ``[batch, time, vocab_size]`` against ``targets`` ``[batch, time]``."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``idx`` ``[batch, time]`` token ids -> logits ``[batch, time, vocab_size]`` and the mean cross-entropy
+        against ``targets`` (same shape as ``idx``), or ``None`` without targets.
+
+        A model without the embedding takes the previous stage's output ``[batch, time, n_embd]`` as ``idx``; one
+        without the head returns its last block's output in place of the logits (and takes no targets).
+        """
+        x = idx if self.token_embedding is None else self.embed(idx)
         for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.final_norm(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return logits, loss
+            if block is not None:
+                x = block(x)
+        if self.lm_head is None:
+            if targets is not None:
+                raise ValueError("targets were given to a model without the head: the loss belongs to the "
+                                 "stage that holds the head")
+            return x, None
+        logits = self.head(x)
+        return logits, None if targets is None else self.loss(logits, targets)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,
                  temperature: float = 1.0) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` ``[batch, time]`` (context cut to ``block_size``)."""
+        if self.token_embedding is None or self.lm_head is None or len(self.block_indices) < self.config.n_layer:
+            raise ValueError("generate needs the whole model: this one lacks the embedding, the head or blocks "
+                             f"(holds blocks {list(self.block_indices)})")
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size:])
             probabilities = F.softmax(logits[:, -1] / temperature, dim=-1)
@@ -256,6 +339,18 @@ class TinyGPT(nn.Module):
         return idx
 
     def num_parameters(self) -> int:
-        """Number of distinct parameters (a tied weight counts once)."""
+        """Number of distinct parameters this model holds (a tied weight counts once)."""
         return sum(parameter.numel() for parameter in self.parameters())
 
+
+def _check_blocks(blocks: Iterable[int] | None, n_layer: int) -> tuple[int, ...]:
+    """The sorted global block indices a model holds: ``blocks``, or all ``n_layer`` of them when ``None``."""
+    if blocks is None:
+        return tuple(range(n_layer))
+    held = list(blocks)
+    for index in held:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_layer:
+            raise ValueError(f"blocks must be indices in [0, {n_layer}) (n_layer={n_layer}), got {index!r}")
+    if len(set(held)) != len(held):
+        raise ValueError(f"blocks lists an index twice: {held}")
+    return tuple(sorted(held))

@@ -42,7 +42,7 @@ the model's weights are the master's values cast down after each step.  Bytes pe
 Mixed precision saves no model-state memory: the "2 + 2 + 12" buys speed (16-bit math and half the bytes
 moved per weight read) and halves *activation* memory; ZeRO then shards the 12.  During the step the fp32
 gradients exist too (4 more bytes per parameter, briefly; real implementations convert bucket by bucket).
-``labkit.memory`` measures all of this.
+``labkit.costmodel.memory`` measures all of this.
 
 **Dynamic loss scaling** (:class:`DynamicLossScaler`), the algorithm of ``torch.amp.GradScaler``:
 
@@ -64,16 +64,14 @@ not when ranks check *different* gradients (ZeRO-2/3 shards, tensor-parallel sli
 all-reduces the flag (``MAX``, 4 bytes) over the process group, as PyTorch's ``ShardedGradScaler`` does.
 Every rank must therefore call ``unscale_``/``step`` the same number of times.
 
-**Speed** (:func:`time_step`).  On a GPU, 16-bit matrix multiplications run on tensor cores at several times
+**Speed** (``labkit.measure.time_step``).  On a GPU, 16-bit matrix multiplications run on tensor cores at several times
 the fp32 rate.  On a CPU the answer depends on the instruction set (AVX-512 BF16 / AMX speed bf16 up; without
 them bf16 is emulated and can be *slower* than fp32): measure, do not assume.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -386,35 +384,3 @@ class DynamicLossScaler:
         self.backoff_factor = float(state_dict["backoff_factor"])
         self.growth_interval = int(state_dict["growth_interval"])
         self._growth_tracker = int(state_dict["_growth_tracker"])
-
-
-# --------------------------------------------------------------------------------------------------------
-# Speed
-
-
-def time_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], dtype: torch.dtype | None = None,
-              repeats: int = 5, warmup: int = 1) -> float:
-    """Median seconds of one forward + backward of ``loss_fn(model)`` under autocast to ``dtype`` (``None``:
-    plain fp32).  The model is deep-copied, so its gradients are untouched.  On a GPU the clock waits for the
-    device."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    model = copy.deepcopy(model)
-    device_type = next(model.parameters()).device.type
-
-    def synchronize() -> None:
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-
-    times = []
-    for index in range(warmup + repeats):
-        model.zero_grad(set_to_none=True)
-        synchronize()
-        start = time.perf_counter()
-        with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = loss_fn(model)
-        loss.backward()
-        synchronize()
-        if index >= warmup:
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]

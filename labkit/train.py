@@ -7,13 +7,22 @@ On a laptop (gloo, N forked ranks)::
 
 On GPUs (NCCL, one process per GPU; ``torchrun`` sets RANK/WORLD_SIZE and the trainer runs in place)::
 
-    torchrun --nproc_per_node=8 -m labkit.train --strategy ddp --model tiny-gpt --preset 10m --steps 1000
+    torchrun --nproc_per_node=8 -m labkit.train --strategy fsdp --model tiny-gpt --preset 10m --steps 1000
+
+The ranks are laid out by a :class:`labkit.mesh.Mesh` (today every rank is a data-parallel rank; tensor and
+pipeline degrees join with their lessons), and the strategy is one of ``labkit.parallel``'s wrappers, chosen once
+from :data:`STRATEGIES` (a name -> constructor table).  After that the loop knows nothing about which wrapper it
+holds: it uses the contract of ``labkit.parallel.base`` only (``make_optimizer``, ``clip_grad_norm_``,
+``communication_per_step``, ``memory_breakdown``, ``full_state_dict``).  ``single`` is the same loop with no
+wrapper at all (:class:`labkit.parallel.base.SingleProcess`).
 
 The workload is :class:`labkit.models.TinyGPT` on text from :class:`labkit.data.MarkovChain`, whose best possible
 loss (the entropy rate) is printed beside the loss so progress has a floor to aim at; or
-:class:`labkit.models.TinyMLP` on Gaussian blobs.  Each rank samples its own batches (seed + rank), so the
-*global* batch is ``--batch-size x ranks``.  Rank 0 prints progress with every rank's loss and saves the
-checkpoint (atomically: write a temporary file, then rename).  Later lessons add strategies to this same file.
+:class:`labkit.models.TinyMLP` on Gaussian blobs.  Each *data-parallel* rank samples its own batches (seeded by
+its data-parallel coordinate, so that ranks that split one model, later, see the same batch), so the global
+batch is ``--batch-size x data-parallel ranks``.  Rank 0 prints progress with every rank's loss and the bytes
+each step communicated, and saves the unsharded model (``full_state_dict()``, gathered on every rank) atomically:
+write a temporary file, then rename.  Optimizer state and exact resume are the checkpointing lesson's.
 """
 
 from __future__ import annotations
@@ -32,10 +41,15 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from labkit import data, dist, launch
+from labkit.mesh import Mesh
 from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
+from labkit.parallel.base import ParallelWrapper, SingleProcess
+from labkit.parallel.ddp import DistributedDataParallel
+from labkit.parallel.fsdp import FullyShardedDataParallel
+from labkit.parallel.zero import ZeroDataParallel
 
-STRATEGIES = ("single", "ddp")
 MODELS = ("tiny-gpt", "tiny-mlp")
+MiB = 1024 * 1024
 
 
 @dataclass
@@ -48,13 +62,14 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 0
     bucket_cap_mb: float = 25.0
+    clip_grad_norm: float | None = None
     log_every: int = 20
     checkpoint: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value, before any process starts."""
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+            raise ValueError(f"--strategy must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
         if self.model not in MODELS:
             raise ValueError(f"--model must be one of {MODELS}, got {self.model!r}")
         if self.model == "tiny-gpt":
@@ -66,11 +81,28 @@ class TrainConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.bucket_cap_mb < 0:
             raise ValueError(f"--bucket-cap-mb must be >= 0, got {self.bucket_cap_mb}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
 
 
-def build(config: TrainConfig) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], float | None]:
-    """The model, a function ``step -> (inputs, targets)`` drawing this rank's batch, and the loss floor."""
-    generator = torch.Generator().manual_seed(data.seed_for_rank(config.seed, dist.rank()))
+# The one place that knows the wrappers: a strategy's name -> how to wrap a plain model over the mesh.
+STRATEGIES: dict[str, Callable[[nn.Module, Mesh | None, TrainConfig], ParallelWrapper]] = {
+    "single": lambda model, mesh, config: SingleProcess(model),
+    "ddp": lambda model, mesh, config: DistributedDataParallel(
+        model, bucket_cap_mb=config.bucket_cap_mb, group=mesh.group("dp")),
+    "zero1": lambda model, mesh, config: ZeroDataParallel(
+        model, stage=1, bucket_cap_mb=config.bucket_cap_mb, group=mesh.group("dp")),
+    "zero2": lambda model, mesh, config: ZeroDataParallel(
+        model, stage=2, bucket_cap_mb=config.bucket_cap_mb, group=mesh.group("dp")),
+    "fsdp": lambda model, mesh, config: FullyShardedDataParallel(model, group=mesh.group("dp")),
+}
+
+
+def build(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1
+          ) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], float | None]:
+    """The plain model, a function ``step -> (inputs, targets)`` drawing this data-parallel rank's batch, and the
+    loss floor.  Ranks with the same data-parallel coordinate draw the same batches."""
+    generator = data.data_parallel_generator(config.seed, dp_rank, dp_size)
     if config.model == "tiny-gpt":
         model_config = GPTConfig.preset(config.preset)
         model = TinyGPT(model_config, seed=config.seed)
@@ -93,27 +125,25 @@ def build(config: TrainConfig) -> tuple[nn.Module, Callable[[int], tuple[torch.T
 
 
 def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    output = model(inputs, targets) if isinstance(getattr(model, "module", model), TinyGPT) else model(inputs)
+    output = model(inputs, targets) if isinstance(model.module, TinyGPT) else model(inputs)
     if isinstance(output, tuple):
         return output[1]
     return nn.functional.cross_entropy(output, targets)
 
 
 def train(config: TrainConfig) -> dict:
-    """Run on every rank (or alone): returns this rank's loss history, step time and a parameter checksum."""
+    """Run on every rank (or alone): returns this rank's loss history, step time, bytes communicated per step,
+    model-state bytes held, and a checksum of the unsharded parameters."""
     device = dist.device()
-    model, batch, floor = build(config)
-    model = model.to(device)
-    if config.strategy == "ddp":
-        if not dist.is_initialized():
-            raise ValueError("--strategy ddp needs several ranks: pass --nprocs N, or run under torchrun")
-        from labkit.ddp import DistributedDataParallel
-
-        model = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    if config.strategy != "single" and not dist.is_initialized():
+        raise ValueError(f"--strategy {config.strategy} needs several ranks: pass --nprocs N, or run under torchrun")
+    mesh = Mesh(dp=dist.world_size()) if dist.is_initialized() else None
+    plain, batch, floor = build(config, *((mesh.rank("dp"), mesh.size("dp")) if mesh is not None else (0, 1)))
+    model = STRATEGIES[config.strategy](plain.to(device), mesh, config)
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=config.lr)
     world = dist.world_size()
     if dist.is_main():
-        size = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        size = sum(p.numel() for p in plain.parameters())
         print(f"labkit.train: {config.strategy} on {world} rank(s) ({dist.backend() or 'no process group'}, "
               f"{device}); {config.model} {size:,} parameters; global batch {config.batch_size * world}"
               + (f"; loss floor {floor:.3f} nats" if floor is not None else ""), flush=True)
@@ -124,22 +154,27 @@ def train(config: TrainConfig) -> dict:
         loss = _loss(model, inputs, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if config.clip_grad_norm is not None:
+            model.clip_grad_norm_(config.clip_grad_norm)
         optimizer.step()
         history.append(loss.item())
         if step % config.log_every == 0 or step == config.steps:
-            _log(step, config, loss.detach(), floor, time.perf_counter() - start)
+            _log(step, config, loss.detach(), floor, time.perf_counter() - start, model.communication_per_step())
     seconds = time.perf_counter() - start
-    unwrapped = getattr(model, "module", model)
+    full = model.full_state_dict()  # collective: every rank takes part
     if config.checkpoint and dist.is_main():
-        save_checkpoint(config.checkpoint, unwrapped, optimizer, config.steps, config)
+        save_checkpoint(config.checkpoint, full, config.steps, config)
     if dist.is_initialized():
         torch_dist.barrier()  # nobody reads the checkpoint before it exists
-    checksum = float(sum(p.detach().double().sum() for p in unwrapped.parameters()))
+    checksum = float(sum(tensor.detach().double().sum() for name, tensor in full.items()
+                         if name in dict(plain.named_parameters())))
     return {"rank": dist.rank(), "losses": history, "ms_per_step": 1e3 * seconds / config.steps,
+            "communication": model.communication_per_step(), "memory": model.memory_breakdown(),
             "checksum": checksum}
 
 
-def _log(step: int, config: TrainConfig, loss: torch.Tensor, floor: float | None, elapsed: float) -> None:
+def _log(step: int, config: TrainConfig, loss: torch.Tensor, floor: float | None, elapsed: float,
+         communication: dict[str, int]) -> None:
     """Gather every rank's loss to rank 0 and print one progress line there."""
     if dist.is_initialized():
         losses = [torch.zeros_like(loss) for _ in range(dist.world_size())]
@@ -154,19 +189,20 @@ def _log(step: int, config: TrainConfig, loss: torch.Tensor, floor: float | None
     mean = sum(values) / len(values)
     per_rank = " ".join(f"{value:.3f}" for value in values) if len(values) > 1 else ""
     gap = f", {mean - floor:+.3f} above the floor" if floor is not None else ""
+    sent = ", ".join(f"{kind} {nbytes / MiB:.2f}" for kind, nbytes in sorted(communication.items()))
     print(f"[{bar}] step {step:>5}/{config.steps} loss {mean:.4f}{gap}"
           + (f" | per rank: {per_rank}" if per_rank else "")
+          + (f" | MiB/step: {sent}" if sent else "")
           + f" | {1e3 * elapsed / step:.1f} ms/step", flush=True)
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+def save_checkpoint(path: str | os.PathLike, model_state: dict[str, torch.Tensor], step: int,
                     config: TrainConfig) -> None:
     """Write atomically: a crash mid-write leaves the previous checkpoint intact, never a truncated file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                "config": asdict(config)}, partial)
+    torch.save({"model": model_state, "step": step, "config": asdict(config)}, partial)
     os.replace(partial, path)
     print(f"checkpoint saved to {path} (rank 0 only)", flush=True)
 
@@ -180,13 +216,15 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp, zero1, zero2: MiB per bucket")
+    parser.add_argument("--clip-grad-norm", type=float, default=None,
+                        help="clip the gradients' global norm to this value (every strategy; default: no clipping)")
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--checkpoint", default=None, help="file rank 0 saves the final state to")
     parser.add_argument("--nprocs", type=int, default=None,
                         help="ranks to fork on this machine (default: 2 for ddp, 1 for single; ignored under torchrun)")
     args = parser.parse_args(argv)
-    nprocs = args.nprocs if args.nprocs is not None else (2 if args.strategy == "ddp" else 1)
+    nprocs = args.nprocs if args.nprocs is not None else (1 if args.strategy == "single" else 2)
     config = TrainConfig(**{key: value for key, value in vars(args).items() if key != "nprocs"})
     config.validate()
     if nprocs < 1:
@@ -200,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"labkit.train: {error}", file=sys.stderr)
         return 2
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if config.strategy == "single" and not under_torchrun and nprocs == 1:
+    under_torchrun = dist.in_torchrun()
+    if config.strategy == "single" and not under_torchrun and nprocs == 1:  # no process group at all
         results = [train(config)]
     else:
         results = launch.launch(train, config, nprocs=nprocs, timeout=None)

@@ -10,7 +10,7 @@ only, so a rank holds ``8 Psi / N`` bytes of state instead of ``8 Psi``.  The st
 3. each parameter is broadcast from its owner, so every replica holds every updated parameter again.
 
 The price is that broadcast: every parameter's bytes (``4 Psi`` in fp32) leave their owner once per step, on
-top of DDP's all-reduce (this is ``torch.distributed.optim.ZeroRedundancyOptimizer``; ``labkit.zero`` packs
+top of DDP's all-reduce (this is ``torch.distributed.optim.ZeroRedundancyOptimizer``; ``labkit.parallel.zero`` packs
 one message per owner instead of one per parameter).  Whole parameters per rank let any optimizer work, even
 one that looks at a whole tensor; the memory is balanced only to within one parameter, so the owners are
 chosen greedily by size.

@@ -14,20 +14,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import collectives
 from labkit.collectives import (
-    LinkModel,
     broadcast,
-    bus_bandwidth,
     chunk_bounds,
-    measure_alpha_beta,
     naive_all_reduce,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
     tree_all_reduce,
 )
+from labkit.costmodel import collectives as costs
+from labkit.costmodel.collectives import LinkModel, bus_bandwidth
 from labkit.launch import launch
+from labkit.measure import measure_alpha_beta
 
 WORLD_SIZES = (1, 2, 3, 4)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -294,13 +293,13 @@ def test_cost_model_bytes_equal_bytes_actually_sent(reports, world_size, numel, 
     element_size = torch.tensor([], dtype=dtype).element_size()
     nbytes = numel * element_size
     models = {
-        "ring_all_reduce": collectives.ring_all_reduce_cost(nbytes, world_size, element_size=element_size),
-        "ring_reduce_scatter": collectives.ring_reduce_scatter_cost(nbytes, world_size, element_size=element_size),
-        "ring_all_gather": collectives.ring_all_gather_cost(nbytes, world_size, element_size=element_size),
-        "naive_all_reduce": collectives.naive_all_reduce_cost(nbytes, world_size),
-        "tree_all_reduce": collectives.tree_all_reduce_cost(nbytes, world_size),
-        "broadcast from 0": collectives.tree_broadcast_cost(nbytes, world_size, src=0),
-        f"broadcast from {world_size - 1}": collectives.tree_broadcast_cost(nbytes, world_size, src=world_size - 1),
+        "ring_all_reduce": costs.ring_all_reduce_cost(nbytes, world_size, element_size=element_size),
+        "ring_reduce_scatter": costs.ring_reduce_scatter_cost(nbytes, world_size, element_size=element_size),
+        "ring_all_gather": costs.ring_all_gather_cost(nbytes, world_size, element_size=element_size),
+        "naive_all_reduce": costs.naive_all_reduce_cost(nbytes, world_size),
+        "tree_all_reduce": costs.tree_all_reduce_cost(nbytes, world_size),
+        "broadcast from 0": costs.tree_broadcast_cost(nbytes, world_size, src=0),
+        f"broadcast from {world_size - 1}": costs.tree_broadcast_cost(nbytes, world_size, src=world_size - 1),
     }
     for name, model in models.items():
         measured = [report["bytes_sent"][(name, numel, str(dtype))] for report in reports[world_size]]
@@ -325,21 +324,21 @@ def test_cost_model_states_the_textbook_results():
     link = LinkModel(alpha_s=1e-5, beta_s_per_byte=1e-9)
     n = 1 << 20
     for world_size in (2, 4, 8):
-        ring = collectives.ring_all_reduce_cost(n, world_size, link)
+        ring = costs.ring_all_reduce_cost(n, world_size, link)
         assert ring.bytes_sent == [2 * (world_size - 1) * n // world_size] * world_size
         assert ring.steps == 2 * (world_size - 1)
         assert ring.time_s == pytest.approx(2 * (world_size - 1) * link.alpha_s
                                             + 2 * (world_size - 1) / world_size * n * link.beta_s_per_byte)
-        naive = collectives.naive_all_reduce_cost(n, world_size, link)
+        naive = costs.naive_all_reduce_cost(n, world_size, link)
         assert naive.bytes_sent == [(world_size - 1) * n] + [n] * (world_size - 1)
         assert naive.time_s == pytest.approx(2 * (world_size - 1) * (link.alpha_s + n * link.beta_s_per_byte))
-        tree = collectives.tree_broadcast_cost(n, world_size, link)
+        tree = costs.tree_broadcast_cost(n, world_size, link)
         assert tree.bytes_sent[0] == math.log2(world_size) * n
         assert sum(tree.bytes_sent) == (world_size - 1) * n  # every rank but the root receives one copy
         assert tree.time_s == pytest.approx(math.log2(world_size) * (link.alpha_s + n * link.beta_s_per_byte))
     # the ring's bandwidth term stays below 2 n beta while the parameter server's grows with N
-    assert collectives.ring_all_reduce_cost(n, 64, LinkModel(0.0, 1e-9)).time_s < 2 * n * 1e-9
-    assert collectives.naive_all_reduce_cost(n, 64, LinkModel(0.0, 1e-9)).time_s == pytest.approx(126 * n * 1e-9)
+    assert costs.ring_all_reduce_cost(n, 64, LinkModel(0.0, 1e-9)).time_s < 2 * n * 1e-9
+    assert costs.naive_all_reduce_cost(n, 64, LinkModel(0.0, 1e-9)).time_s == pytest.approx(126 * n * 1e-9)
 
 
 def test_bus_bandwidth_uses_the_nccl_tests_convention():
@@ -374,13 +373,13 @@ def test_measure_alpha_beta_gives_every_rank_the_same_physical_fit():
 
 def test_fit_alpha_beta_recovers_a_known_line_and_survives_noise():
     sizes = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20]
-    exact = collectives.fit_alpha_beta(sizes, [20e-6 + size * 1e-9 for size in sizes])
+    exact = costs.fit_alpha_beta(sizes, [20e-6 + size * 1e-9 for size in sizes])
     assert exact.alpha_s == pytest.approx(20e-6, rel=1e-9) and exact.beta_s_per_byte == pytest.approx(1e-9, rel=1e-9)
     # a scheduler hiccup on the small messages tilts the line downwards: the fit must stay physical
-    noisy = collectives.fit_alpha_beta(sizes, [4e-3, 4e-3, 4e-3, 1e-3, 1.2e-3])
+    noisy = costs.fit_alpha_beta(sizes, [4e-3, 4e-3, 4e-3, 1e-3, 1.2e-3])
     assert noisy.alpha_s >= 0 and noisy.beta_s_per_byte > 0
     with pytest.raises(ValueError, match="positive"):
-        collectives.fit_alpha_beta([1, 2], [1e-3, 0.0])
+        costs.fit_alpha_beta([1, 2], [1e-3, 0.0])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -442,8 +441,8 @@ def test_tree_all_reduce_matches_torch(reports, world_size):
 def test_the_tree_beats_the_ring_for_small_messages_and_loses_for_large_ones():
     link = LinkModel(alpha_s=20e-6, beta_s_per_byte=1e-10)
     small, large = 1024, 256 << 20
-    assert (collectives.tree_all_reduce_cost(small, 64, link).time_s
-            < collectives.ring_all_reduce_cost(small, 64, link).time_s)
-    assert (collectives.tree_all_reduce_cost(large, 64, link).time_s
-            > collectives.ring_all_reduce_cost(large, 64, link).time_s)
-    assert collectives.tree_all_reduce_cost(small, 64, link).steps == 12  # 2 log2(64)
+    assert (costs.tree_all_reduce_cost(small, 64, link).time_s
+            < costs.ring_all_reduce_cost(small, 64, link).time_s)
+    assert (costs.tree_all_reduce_cost(large, 64, link).time_s
+            > costs.ring_all_reduce_cost(large, 64, link).time_s)
+    assert costs.tree_all_reduce_cost(small, 64, link).steps == 12  # 2 log2(64)

@@ -1,8 +1,8 @@
-"""labkit.compression: accuracy, error feedback, exactness and bytes, on 2 and 3 gloo ranks.
+"""labkit.parallel.compression: accuracy, error feedback, exactness and bytes, on 2 and 3 gloo ranks.
 
 Every case for one world size runs inside one launch (``_every_case``); the tests read its report.  Each
 compression is called directly through the protocol DDP uses (``launch`` then ``complete`` on a flat bucket
-and its views), and also inside ``labkit.ddp.DistributedDataParallel`` on a small regression problem.
+and its views), and also inside ``labkit.parallel.ddp.DistributedDataParallel`` on a small regression problem.
 Tolerances are stated where they are used.
 """
 
@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.compression import (
+from labkit.launch import launch
+from labkit.parallel.compression import (
     BF16Compression,
     CastCompression,
     FP16Compression,
     PowerSGDCompression,
     TopKCompression,
 )
-from labkit.ddp import DistributedDataParallel
-from labkit.launch import launch
+from labkit.parallel.ddp import DistributedDataParallel
 
 WORLD_SIZES = (2, 3)
 STEPS = 5
@@ -168,12 +168,17 @@ def _every_case() -> dict:
     report["training"] = {name: _train_regression(compression, steps=30) for name, compression in (
         ("none", None), ("fp16", FP16Compression()), ("topk", TopKCompression(0.25)),
         ("powersgd", PowerSGDCompression(rank=2)))}
-    fp16 = FP16Compression()
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)), compression=fp16)
-    ddp(torch.randn(4, 16)).sum().backward()
-    report["ddp_fp16_bytes"] = {"sent": fp16.bytes_sent, "uncompressed": fp16.bytes_uncompressed,
-                                "bytes_per_step": ddp.bytes_per_step}
+    report["ddp_bytes"] = {}
+    for name, compression in (("fp16", FP16Compression()), ("topk", TopKCompression(0.1)),
+                              ("powersgd", PowerSGDCompression(rank=2))):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)), bucket_cap_mb=0.0,
+                                      compression=compression)
+        for _ in range(2):  # the second step's count starts afresh
+            ddp(torch.randn(4, 16)).sum().backward()
+        report["ddp_bytes"][name] = {"sent": compression.bytes_sent // 2, "measured": ddp.communication_per_step(),
+                                     "uncompressed": compression.bytes_uncompressed // 2,
+                                     "predicted": ddp.predicted_communication()}
     return report
 
 
@@ -204,10 +209,21 @@ def test_casting_sends_half_the_bytes_of_float32(reports):
         assert report["bytes_uncompressed"] == 1000 * 4 and report["bytes_sent"] == 1000 * 2
 
 
-def test_ddp_counts_the_same_bytes_as_the_compression(reports):
-    counted = reports[2][0]["ddp_fp16_bytes"]
-    assert counted["uncompressed"] == counted["bytes_per_step"] == (16 * 32 + 32 + 32 * 8 + 8) * 4
-    assert counted["sent"] == counted["bytes_per_step"] // 2
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ddp_counts_what_each_compression_puts_into_its_collectives(reports, world_size):
+    counted = reports[world_size][0]["ddp_bytes"]
+    plain = (16 * 32 + 32 + 32 * 8 + 8) * 4
+    for name, found in counted.items():
+        assert found["uncompressed"] == plain and found["predicted"] == {"all_reduce": plain}, name
+    assert counted["fp16"]["measured"] == {"all_reduce": plain // 2} and counted["fp16"]["sent"] == plain // 2
+    # top-k all-gathers: each rank contributes k values and int32 indices per bucket (bytes_sent); the
+    # collective's size n, as labkit counts an all-gather, is its output: every rank's contribution
+    k_total = sum(math.ceil(0.1 * numel) for numel in (16 * 32, 32, 32 * 8, 8))
+    assert counted["topk"]["sent"] == k_total * (4 + 4)
+    assert counted["topk"]["measured"] == {"all_gather": world_size * k_total * (4 + 4)}
+    # PowerSGD: P and Q all-reduces for the matrices, the biases uncompressed, in every bucket
+    assert counted["powersgd"]["measured"] == {"all_reduce": counted["powersgd"]["sent"]}
+    assert counted["powersgd"]["sent"] == ((32 + 16) * 2 + (8 + 32) * 2 + 32 + 8) * 4
 
 
 # --------------------------------------------------------------------------------------------------------

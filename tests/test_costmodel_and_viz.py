@@ -5,31 +5,32 @@ from __future__ import annotations
 import pytest
 from matplotlib.figure import Figure
 
-from labkit import costmodel
-from labkit.viz import plots, widgets
+from labkit.costmodel import compute
+from labkit.costmodel import step as step_model
+from labkit.viz import plots, training_plots, widgets
 
 
 def test_training_flops_is_six_n_d():
-    assert costmodel.training_flops(175e9, 300e9) == pytest.approx(3.15e23)
+    assert compute.training_flops(175e9, 300e9) == pytest.approx(3.15e23)
 
 
 def test_training_time_divides_by_gpus_peak_and_utilization():
-    seconds = costmodel.training_time_seconds(1e9, 1e10, gpus=4, peak_flops_per_gpu=1e14, utilization=0.5)
+    seconds = compute.training_time_seconds(1e9, 1e10, gpus=4, peak_flops_per_gpu=1e14, utilization=0.5)
     assert seconds == pytest.approx(6e19 / (4 * 1e14 * 0.5))
 
 
 def test_mixed_precision_adam_holds_sixteen_bytes_per_parameter():
-    assert costmodel.model_state_bytes(7e9) == pytest.approx(112e9)
-    assert costmodel.model_state_bytes(10, bytes_per_parameter=4) == 40
+    assert compute.model_state_bytes(7e9) == pytest.approx(112e9)
+    assert compute.model_state_bytes(10, bytes_per_parameter=4) == 40
 
 
 @pytest.mark.parametrize(
     ("call", "fragment"),
     [
-        (lambda: costmodel.training_flops(-1, 10), "parameters"),
-        (lambda: costmodel.training_time_seconds(1e9, 1e9, 0, 1e12), "gpus"),
-        (lambda: costmodel.training_time_seconds(1e9, 1e9, 1, 1e12, utilization=1.5), "utilization"),
-        (lambda: costmodel.model_state_bytes(0), "parameters"),
+        (lambda: compute.training_flops(-1, 10), "parameters"),
+        (lambda: compute.training_time_seconds(1e9, 1e9, 0, 1e12), "gpus"),
+        (lambda: compute.training_time_seconds(1e9, 1e9, 1, 1e12, utilization=1.5), "utilization"),
+        (lambda: compute.model_state_bytes(0), "parameters"),
     ],
 )
 def test_cost_model_rejects_bad_input(call, fragment):
@@ -38,7 +39,7 @@ def test_cost_model_rejects_bad_input(call, fragment):
 
 
 def test_plot_functions_return_labelled_figures():
-    figure = plots.plot_why_distributed(7e9, 2e12, 64, costmodel.GPUS["H100 80GB"], 0.4)
+    figure = plots.plot_why_distributed(7e9, 2e12, 64, compute.GPUS["H100 80GB"], 0.4)
     assert isinstance(figure, Figure) and len(figure.axes) == 2
     assert all(axis.get_xlabel() or axis.get_ylabel() for axis in figure.axes)
     assert "GB" in figure.axes[0].get_ylabel() and "days" in figure.axes[1].get_ylabel()
@@ -126,7 +127,7 @@ def test_ring_explorer_redraws_for_each_world_size_and_step(ring_records):
 
 
 def test_alpha_beta_explorer_draws_every_link():
-    from labkit.collectives import LinkModel
+    from labkit.costmodel.collectives import LinkModel
 
     explorer = widgets.alpha_beta_explorer({"slow": LinkModel(50e-6, 1e-9), "fast": LinkModel(5e-6, 1e-11)})
     link_choice, _ranks = explorer.children[0].children
@@ -140,35 +141,35 @@ def test_alpha_beta_explorer_draws_every_link():
 
 
 def _link():
-    from labkit.collectives import LinkModel
+    from labkit.costmodel.collectives import LinkModel
 
     return LinkModel(alpha_s=100e-6, beta_s_per_byte=1 / 1.5e9)
 
 
 def test_without_overlap_all_communication_is_exposed():
-    step = costmodel.ddp_step_time(0.02, 0.04, 0.005, [10_000_000] * 4, 2, _link(), overlap=False)
+    step = step_model.ddp_step_time(0.02, 0.04, 0.005, [10_000_000] * 4, 2, _link(), overlap=False)
     assert step.exposed_communication_s == pytest.approx(step.communication_s)
     assert step.step_s == pytest.approx(0.065 + step.communication_s)
 
 
 def test_overlap_hides_all_but_the_last_bucket_when_backward_is_long_enough():
     buckets = [10_000_000] * 4
-    step = costmodel.ddp_step_time(0.02, 1.0, 0.005, buckets, 2, _link(), overlap=True)
-    last = costmodel.ddp_step_time(0.0, 0.0, 0.0, buckets[-1:], 2, _link(), overlap=False).communication_s
+    step = step_model.ddp_step_time(0.02, 1.0, 0.005, buckets, 2, _link(), overlap=True)
+    last = step_model.ddp_step_time(0.0, 0.0, 0.0, buckets[-1:], 2, _link(), overlap=False).communication_s
     assert step.exposed_communication_s == pytest.approx(last)
 
 
 def test_communication_longer_than_backward_cannot_be_hidden():
-    step = costmodel.ddp_step_time(0.0, 0.001, 0.0, [100_000_000] * 8, 4, _link(), overlap=True)
+    step = step_model.ddp_step_time(0.0, 0.001, 0.0, [100_000_000] * 8, 4, _link(), overlap=True)
     assert step.exposed_communication_s >= step.communication_s - 0.001
 
 
 def test_one_rank_communicates_nothing_and_bad_input_is_rejected():
-    assert costmodel.ddp_step_time(0.01, 0.02, 0.0, [1_000_000], 1, _link()).communication_s == 0.0
+    assert step_model.ddp_step_time(0.01, 0.02, 0.0, [1_000_000], 1, _link()).communication_s == 0.0
     with pytest.raises(ValueError, match="world_size"):
-        costmodel.ddp_step_time(0.01, 0.02, 0.0, [1_000_000], 0, _link())
+        step_model.ddp_step_time(0.01, 0.02, 0.0, [1_000_000], 0, _link())
     with pytest.raises(ValueError, match=">= 0"):
-        costmodel.ddp_step_time(-0.01, 0.02, 0.0, [1_000_000], 2, _link())
+        step_model.ddp_step_time(-0.01, 0.02, 0.0, [1_000_000], 2, _link())
 
 
 def test_timeline_and_scaling_plots_are_labelled():
@@ -188,7 +189,7 @@ def test_timeline_and_scaling_plots_are_labelled():
 
 
 def test_ddp_step_explorer_redraws_and_reports_efficiency():
-    from labkit.collectives import LinkModel
+    from labkit.costmodel.collectives import LinkModel
 
     explorer = widgets.ddp_step_explorer({"slow": LinkModel(50e-6, 1 / 1.25e9), "fast": LinkModel(5e-6, 1 / 400e9)})
     summary, picture = explorer.children[1], explorer.children[2]
@@ -199,7 +200,7 @@ def test_ddp_step_explorer_redraws_and_reports_efficiency():
 
 
 def test_step_breakdown_shows_hidden_communication():
-    hidden = costmodel.ddp_step_time(0.02, 1.0, 0.005, [10_000_000] * 4, 2, _link(), overlap=True)
+    hidden = step_model.ddp_step_time(0.02, 1.0, 0.005, [10_000_000] * 4, 2, _link(), overlap=True)
     figure = plots.plot_step_breakdown({"overlap": hidden})
     labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
     assert "hidden communication" in labels and figure.axes[0].get_xlabel() == "time per step (ms)"
@@ -220,7 +221,7 @@ def test_lr_schedule_explorer_redraws_for_each_rule():
 
 def test_lr_experiment_plot_has_a_column_per_recipe_and_clips_divergence():
     results = {("unscaled", 1): [2.3, 1.0, 0.8], ("unscaled", 4): [2.3, 2.0], ("scaled", 1): [2.3, 50.0, 9.0]}
-    figure = plots.plot_lr_experiment(results, base_batch=16, floor=0.5)
+    figure = training_plots.plot_lr_experiment(results, base_batch=16, floor=0.5)
     assert len(figure.axes) == 4
     assert figure.axes[0].get_ylim()[1] == pytest.approx(3.5)
     assert figure.axes[2].get_xscale() == "log"  # steps on a log axis
@@ -228,7 +229,7 @@ def test_lr_experiment_plot_has_a_column_per_recipe_and_clips_divergence():
 
 def test_memory_breakdown_draws_prediction_ticks_and_capacity():
     measured = {"fp32": {"weights": 4e6, "gradients": 4e6, "optimizer_states": 8e6, "activations": 1e6}}
-    figure = plots.plot_memory_breakdown(measured, {"fp32": {"weights": 4e6, "gradients": 4e6}}, capacity_bytes=2e7)
+    figure = training_plots.plot_memory_breakdown(measured, {"fp32": {"weights": 4e6, "gradients": 4e6}}, capacity_bytes=2e7)
     labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
     assert {"weights", "gradients", "optimizer states", "activations", "model", "device memory"} <= set(labels)
 
@@ -236,9 +237,9 @@ def test_memory_breakdown_draws_prediction_ticks_and_capacity():
 def test_gradient_magnitude_and_checkpointing_plots_are_labelled():
     import torch
 
-    figure = plots.plot_gradient_magnitudes(torch.tensor([1e-3, 1e-6, 0.0, 2e-9]), {"fp16 normal": 6.1e-5})
+    figure = training_plots.plot_gradient_magnitudes(torch.tensor([1e-3, 1e-6, 0.0, 2e-9]), {"fp16 normal": 6.1e-5})
     assert figure.axes[0].get_xlabel() == "log2 |gradient value|"
-    figure = plots.plot_checkpointing([0, 1, 2], [3e6, 2e6, 1e6], [0.1, 0.11, 0.12])
+    figure = training_plots.plot_checkpointing([0, 1, 2], [3e6, 2e6, 1e6], [0.1, 0.11, 0.12])
     assert "MiB" in figure.axes[0].get_ylabel() and "ms" in figure.axes[1].get_ylabel()
 
 
@@ -255,7 +256,7 @@ def test_precision_memory_explorer_redraws_for_another_gpu():
 
 
 def test_zero_stage_pictures_shard_one_more_state_per_stage():
-    figure = plots.plot_zero_stages(world_size=2)
+    figure = training_plots.plot_zero_stages(world_size=2)
     filled = [sum(1 for patch in axis.patches if patch.get_facecolor()[:3] != (1.0, 1.0, 1.0))
               for axis in figure.axes]
     # 2 ranks x 3 states x 2 shards = 12 cells per panel; each stage empties one state's other-rank shards

@@ -1,4 +1,4 @@
-"""labkit.ddp against single-process training and torch's DistributedDataParallel, on 2 and 3 gloo ranks.
+"""labkit.parallel.ddp against single-process training and torch's DistributedDataParallel, on 2 and 3 gloo ranks.
 
 Launching ranks is the slow part, so every case for one world size runs inside one launch (``_every_case``)
 and the tests read its report.  Models are tiny and float32; "equal" means ``torch.allclose(atol=1e-6)``
@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit import trace
-from labkit.ddp import DistributedDataParallel, assign_buckets
 from labkit.launch import launch
+from labkit.models import GPTConfig, TinyGPT
+from labkit.parallel.ddp import DistributedDataParallel, assign_buckets
 
 ATOL = 1e-6
 STEPS = 3
@@ -141,7 +142,8 @@ def _every_case() -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     batches = _full_batches(STEPS, world_size)
     mine = [_slice(batch, rank) for batch in batches]
-    report: dict = {"vs_single": {}, "vs_torch": {}, "states": {}, "buckets": {}, "bytes_per_step": {}}
+    report: dict = {"vs_single": {}, "vs_torch": {}, "states": {}, "buckets": {}, "predicted": {},
+                    "measured": {}}
 
     for kind in KINDS:
         reference = _model(kind, seed=0)  # rank 0's initial weights; every rank below starts elsewhere
@@ -160,8 +162,9 @@ def _every_case() -> dict:
                 report["vs_torch"][kind, cap, overlap] = _max_difference(_state(ddp),
                                                                          _state(torch_ddp.module))
                 report["states"][kind, cap, overlap] = _state(ddp)
+                report["measured"][kind, cap, overlap] = ddp.communication_per_step()
             report["buckets"][kind, cap] = ddp.buckets
-            report["bytes_per_step"][kind, cap] = ddp.bytes_per_step
+            report["predicted"][kind, cap] = ddp.predicted_communication()
 
     report.update(_batchnorm_case(rank, mine))
     report.update(_no_sync_case(rank, world_size))
@@ -170,6 +173,8 @@ def _every_case() -> dict:
     report.update(_overlap_trace_case())
     report.update(_state_dict_case())
     report.update(_subgroup_case(rank, world_size))
+    report.update(_pipeline_order_case(rank, world_size))
+    report.update(_sync_decided_at_backward_case(rank, world_size))
     try:  # rank-dependent architectures must fail on every rank, not hang
         DistributedDataParallel(nn.Linear(6, 6 + (rank == world_size - 1)))
         report["different_models"] = "no error"
@@ -190,7 +195,8 @@ def _batchnorm_case(rank: int, mine: list) -> dict:
     _train(ours, mine)
     _train(reference, mine)
     return {"batchnorm_before_wrapping": before, "batchnorm_after_wrapping": after_wrapping,
-            "batchnorm_vs_torch": _max_difference(_state(ours), _state(reference.module))}
+            "batchnorm_vs_torch": _max_difference(_state(ours), _state(reference.module)),
+            "batchnorm_communication": (ours.communication_per_step(), ours.predicted_communication())}
 
 
 def _no_sync_case(rank: int, world_size: int) -> dict:
@@ -221,9 +227,11 @@ def _no_sync_case(rank: int, world_size: int) -> dict:
                     (nn.functional.mse_loss(model(x), y) / micro_batches).backward()
             optimizer.step()
         results[name] = _state(model.module)
+        if name == "ours":
+            communication = (model.communication_per_step(), model.predicted_communication())
     return {"no_sync_vs_single": _max_difference(results["ours"], _state(reference)),
             "no_sync_vs_torch": _max_difference(results["ours"], results["torch"]),
-            "grads_differ_after_no_sync": grads_differ_after_no_sync}
+            "grads_differ_after_no_sync": grads_differ_after_no_sync, "no_sync_communication": communication}
 
 
 def _finish_case(rank: int, mine: list) -> dict:
@@ -295,7 +303,10 @@ def _state_dict_case() -> dict:
     plain = _model("mlp", seed=5)
     plain.load_state_dict(ddp.state_dict())
     ddp.load_state_dict(_model("mlp", seed=7).state_dict())
+    full = ddp.full_state_dict()
     return {"state_dict_keys": sorted(ddp.state_dict()), "module_keys": sorted(module.state_dict()),
+            "full_state_dict_is_the_modules": sorted(full) == sorted(module.state_dict()) and all(
+                torch.equal(full[name], tensor) for name, tensor in module.state_dict().items()),
             "loads_into_plain_model": _max_difference(_state(plain), _state(_model("mlp", seed=0))),
             "loads_from_plain_model": _max_difference(_state(module), _state(_model("mlp", seed=7))),
             "same_parameter_objects": list(map(id, ddp.parameters())) == list(map(id, module.parameters())),
@@ -316,6 +327,90 @@ def _subgroup_case(rank: int, world_size: int) -> dict:
     ddp = DistributedDataParallel(_model("mlp", seed=rank), bucket_cap_mb=0.0003, group=group)
     _train(ddp, [_slice(batch, rank - 1) for batch in batches])
     return {"subgroup_vs_single": _max_difference(_state(ddp), _state(reference))}
+
+
+GPT = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=10)  # tied embeddings; shapes 32x10, 40x10, 10x40...
+PIPELINE_CAPS = (0.0, 0.002, 25.0)  # one bucket per tensor; ~500 floats (a few tensors) per bucket; one
+MICRO_BATCHES = 3
+MAX_NORM = 0.1
+
+
+def _gpt_batches(steps: int, rows: int) -> list[Batch]:
+    generator = torch.Generator().manual_seed(99)
+    return [tuple(torch.randint(GPT.vocab_size, (rows, GPT.block_size), generator=generator) for _ in range(2))
+            for _ in range(steps)]
+
+
+def _gpt_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """Two parameter groups: weight decay on matrices, another learning rate for vectors (biases, norms)."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.SGD([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "lr": 0.05}],
+                           lr=0.1, momentum=0.9)
+
+
+def _pipeline_order_case(rank: int, world_size: int) -> dict:
+    """A pipeline schedule's order: m forwards (sync on: the forward must not decide), m backwards with sync
+    off (in reverse, as a pipeline drains), one reduce_gradients(), clip, step; two steps; TinyGPT with tied
+    embeddings; against one process on the whole batch, clipped with torch.nn.utils.clip_grad_norm_."""
+    per_micro = 2
+    batches = _gpt_batches(2, world_size * MICRO_BATCHES * per_micro)
+    reference = TinyGPT(GPT, seed=0)
+    optimizer = _gpt_optimizer(reference)
+    expected = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        reference(x, y)[1].backward()
+        gradients = {name: p.grad.clone() for name, p in reference.named_parameters()}
+        expected.append((gradients, torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)))
+        optimizer.step()
+    found = {}
+    for cap in PIPELINE_CAPS:
+        ddp = DistributedDataParallel(TinyGPT(GPT, seed=rank), bucket_cap_mb=cap)
+        optimizer = _gpt_optimizer(ddp.module)
+        gradient_error, norm_error, silent, counted = 0.0, 0.0, [], []
+        for (x, y), (gradients, norm) in zip(batches, expected, strict=True):
+            optimizer.zero_grad()
+            rows = [slice((rank * MICRO_BATCHES + j) * per_micro, (rank * MICRO_BATCHES + j + 1) * per_micro)
+                    for j in range(MICRO_BATCHES)]
+            losses = [ddp(x[r], y[r])[1] for r in rows]
+            ddp.set_requires_gradient_sync(False)
+            for loss in reversed(losses):
+                (loss / MICRO_BATCHES).backward()
+            silent.append(ddp.communication_per_step())
+            ddp.reduce_gradients()
+            ddp.set_requires_gradient_sync(True)
+            counted.append(ddp.communication_per_step() == ddp.predicted_communication())
+            gradient_error = max(gradient_error, _max_difference(ddp.gradients(), gradients))
+            norm_error = max(norm_error, abs(ddp.clip_grad_norm_(MAX_NORM).item() - norm.item()))
+            optimizer.step()
+        found[cap] = {"gradients": gradient_error, "norm": norm_error, "buckets": len(ddp.buckets),
+                      "parameters": _max_difference(_state(ddp), _state(reference)),
+                      "silent_during_backward": silent, "one_reduction_counted": counted}
+    return {"pipeline": found, "pipeline_norms": [norm.item() for _, norm in expected]}
+
+
+def _sync_decided_at_backward_case(rank: int, world_size: int) -> dict:
+    """A forward inside no_sync with its backward outside is synchronised; the other way round is not."""
+    full_x, full_y = _full_batches(1, world_size)[0]
+    x, y = _slice((full_x, full_y), rank)
+    reference = _model("mlp", seed=0)
+    nn.functional.mse_loss(reference(full_x), full_y).backward()
+    ddp = DistributedDataParallel(_model("mlp", seed=0), bucket_cap_mb=0.0003)
+    with ddp.no_sync():
+        output = ddp(x)
+    nn.functional.mse_loss(output, y).backward()
+    synced = _max_difference(ddp.gradients(), {n: p.grad for n, p in reference.named_parameters()})
+    communicated = ddp.communication_per_step()
+    ddp.module.zero_grad()
+    output = ddp(x)
+    with ddp.no_sync():
+        nn.functional.mse_loss(output, y).backward()
+    local = ddp.module.first.weight.grad.clone()
+    everyone = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(everyone, local)
+    return {"forward_in_no_sync": (synced, communicated, ddp.predicted_communication()),
+            "backward_in_no_sync": (ddp.communication_per_step(), torch.equal(everyone[0], everyone[1]))}
 
 
 @pytest.fixture(scope="module")
@@ -379,7 +474,9 @@ def test_buckets_are_filled_last_parameter_first_within_the_cap(reports):
         assert all(nbytes == sizes[name] for bucket in buckets for name, nbytes in bucket)
         for bucket in buckets:
             assert len(bucket) == 1 or sum(nbytes for _, nbytes in bucket) <= cap * 1024 * 1024, (cap, bucket)
-        assert report["bytes_per_step"]["mlp", cap] == sum(sizes.values())
+        assert report["predicted"]["mlp", cap] == {"all_reduce": sum(sizes.values())}
+        for overlap in (True, False):
+            assert report["measured"]["mlp", cap, overlap] == report["predicted"]["mlp", cap], (cap, overlap)
     assert len(report["buckets"]["mlp", 0.0]) == len(names)
     assert len(report["buckets"]["mlp", 25.0]) == 1
     assert [[name for name, _ in bucket] for bucket in report["buckets"]["mlp", 0.0003]] == [
@@ -423,6 +520,14 @@ def test_batchnorm_model_matches_torch_ddp_parameters_and_running_statistics(rep
         assert report["batchnorm_vs_torch"] <= ATOL, f"rank {rank}: {report['batchnorm_vs_torch']:.2e}"
 
 
+def test_buffer_broadcasts_are_counted_once_per_step_beside_the_gradient_all_reduce(reports):
+    measured, predicted = reports[2][0]["batchnorm_communication"]
+    gradients = (6 * 8 + 8 + 8 + 8 + 8 * 6 + 6) * 4  # first, norm (weight, bias), second
+    buffers = (8 + 8) * 4 + 8  # running mean and variance (float32), num_batches_tracked (int64)
+    assert predicted == {"all_reduce": gradients, "broadcast": buffers}
+    assert measured == predicted
+
+
 # --------------------------------------------------------------------------------------------------------
 # no_sync, finish_gradient_synchronization, unused parameters
 
@@ -434,6 +539,39 @@ def test_no_sync_accumulation_over_micro_batches_equals_one_large_batch(reports,
         assert report["no_sync_vs_torch"] <= ATOL, f"rank {rank}: {report['no_sync_vs_torch']:.2e}"
         assert report["grads_differ_after_no_sync"] and all(report["grads_differ_after_no_sync"]), \
             "gradients were equal across ranks after a no_sync backward: something communicated"
+        measured, predicted = report["no_sync_communication"]
+        assert measured == predicted, "three micro-batches, one synchronised: one all-reduce of the gradients"
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("cap", PIPELINE_CAPS)
+def test_m_forwards_then_m_unsynchronised_backwards_then_reduce_gradients_equals_one_process(reports,
+                                                                                             world_size, cap):
+    for rank, report in enumerate(reports[world_size]):
+        found = report["pipeline"][cap]
+        assert found["gradients"] <= ATOL, f"rank {rank}: gradients differ by {found['gradients']:.2e}"
+        assert found["parameters"] <= ATOL, f"rank {rank}: parameters differ by {found['parameters']:.2e}"
+        assert found["silent_during_backward"] == [{}, {}], "a backward pass with sync off communicated"
+        assert found["one_reduction_counted"] == [True, True]
+    buckets = {cap: reports[world_size][0]["pipeline"][cap]["buckets"] for cap in PIPELINE_CAPS}
+    assert buckets[0.0] > buckets[0.002] > buckets[25.0] == 1, buckets
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_clip_grad_norm_equals_torch_clip_grad_norm_on_one_process_with_the_whole_batch(reports, world_size):
+    assert min(reports[world_size][0]["pipeline_norms"]) > 2 * MAX_NORM  # the clipping changed the gradients
+    for rank, report in enumerate(reports[world_size]):
+        for cap in PIPELINE_CAPS:
+            assert report["pipeline"][cap]["norm"] <= ATOL, (rank, cap, report["pipeline"][cap]["norm"])
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_gradient_sync_is_decided_when_backward_runs_not_in_the_forward(reports, world_size):
+    for rank, report in enumerate(reports[world_size]):
+        synced, communicated, predicted = report["forward_in_no_sync"]
+        assert synced <= ATOL and communicated == predicted, (rank, synced, communicated)
+        communicated, equal_across_ranks = report["backward_in_no_sync"]
+        assert communicated == {} and not equal_across_ranks, (rank, communicated)
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
@@ -482,6 +620,7 @@ def test_state_dict_has_the_modules_keys_without_a_prefix_and_round_trips(report
     assert report["state_dict_keys"] == report["module_keys"]
     assert report["loads_into_plain_model"] == 0.0 and report["loads_from_plain_model"] == 0.0
     assert report["same_parameter_objects"] and report["module_is_wrapped"]
+    assert report["full_state_dict_is_the_modules"]
 
 
 def test_ddp_on_a_subgroup_broadcasts_from_the_groups_first_rank_and_averages_within_it(reports):

@@ -180,7 +180,7 @@ def test_labkit_bench_rejects_an_unknown_benchmark():
 def test_the_bucket_exercise_teaches_the_rule_labkit_ddp_uses():
     import torch
 
-    from labkit.ddp import assign_buckets
+    from labkit.parallel.ddp import assign_buckets
 
     for sizes, cap, expected in data_parallel_checks.BUCKET_CASES:
         parameters = [(str(index), torch.zeros(size, dtype=torch.uint8)) for index, size in enumerate(sizes)]

@@ -1,4 +1,4 @@
-"""labkit.memory: measured model states equal the bytes-per-parameter model exactly (fp32 and mixed precision
+"""labkit.measure and labkit.recompute: measured model states equal the bytes-per-parameter model exactly (fp32 and mixed precision
 with fp32 master weights), activations are measured through saved-tensor hooks, and checkpointing blocks
 lowers them without changing a single gradient bit."""
 
@@ -10,17 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.memory import (
-    ActivationMeter,
-    bytes_per_parameter,
-    checkpoint_blocks,
-    checkpointed_blocks,
-    model_state_bytes,
-    predicted_model_state_bytes,
-    storage_bytes,
-)
+from labkit.costmodel.memory import bytes_per_parameter, predicted_model_state_bytes
+from labkit.measure import ActivationMeter, model_state_bytes, storage_bytes
 from labkit.models import GPTConfig, TinyGPT
 from labkit.precision import DynamicLossScaler, MasterWeights
+from labkit.recompute import checkpoint_blocks, checkpointed_blocks
 
 CONFIG = GPTConfig.preset("100k")
 

@@ -1,4 +1,4 @@
-"""labkit.memory's analytical model: the ZeRO paper's Figure 1 exactly, 1/N_d scaling stage by stage, tensor
+"""labkit.costmodel.memory's analytical model: the ZeRO paper's Figure 1 exactly, 1/N_d scaling stage by stage, tensor
 and pipeline degrees dividing model states; published parameter counts; Korthikanti et al.'s activation
 formula; and TinyGPT's predicted activations equal to what the ActivationMeter measures, byte for byte."""
 
@@ -10,20 +10,18 @@ import itertools
 import pytest
 import torch
 
-from labkit.memory import (
-    ActivationMeter,
+from labkit.costmodel.memory import (
     TransformerShape,
     activation_bytes,
-    checkpoint_blocks,
     korthikanti_layer_activation_bytes,
     layer_activation_bytes,
-    measure_cuda_memory,
-    measure_training_step,
     memory_per_rank,
     num_parameters,
     tinygpt_activation_bytes,
 )
+from labkit.measure import ActivationMeter, measure_cuda_memory, measure_training_step
 from labkit.models import GPTConfig, TinyGPT
+from labkit.recompute import checkpoint_blocks
 
 STATES = ("weights", "gradients", "optimizer_states")
 

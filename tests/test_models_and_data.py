@@ -1,12 +1,15 @@
-"""labkit.models and labkit.data: sizes, deterministic initialisation, tied weights, learning to the known floor
-of the Markov corpus, DistributedSampler sharding and per-rank augmentation seeds.  All single-process."""
+"""labkit.models and labkit.data: sizes, deterministic initialisation, tied weights, pipeline stages with the
+whole model's names and values, heads from the local width, learning to the known floor of the Markov corpus,
+DistributedSampler sharding, and data sharded and seeded by the data-parallel rank (one test on 4 ranks)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
+import torch.distributed as torch_dist
 
 from labkit.data import (
     ALPHABET,
@@ -15,12 +18,15 @@ from labkit.data import (
     MarkovChain,
     augmentation_overlap,
     batches,
+    data_parallel_generator,
+    data_parallel_shard,
     decode,
     encode,
     make_classification,
     seed_for_rank,
     shard_with_distributed_sampler,
 )
+from labkit.launch import launch
 from labkit.models import PRESETS, GPTConfig, MLPConfig, TinyGPT, TinyMLP
 
 # The counts stated in labkit/models.py's docstring, and the range each preset's name promises.
@@ -136,6 +142,111 @@ def test_tied_lm_head_is_the_token_embedding_parameter_and_gets_both_gradients()
 def test_blocks_are_a_module_list_of_n_layer_blocks():
     model = small_gpt(n_layer=3)
     assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == 3
+    assert model.block_indices == (0, 1, 2) and all(block is not None for block in model.blocks)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Splitting: pipeline stages and tensor-parallel heads
+
+SPLIT = GPTConfig(block_size=16, n_layer=4, n_head=2, n_embd=16, tie_weights=False)
+
+
+def stages(config: GPTConfig, seed: int, cuts: tuple[int, ...]) -> list[TinyGPT]:
+    """Pipeline stages holding blocks ``cuts[i] .. cuts[i + 1] - 1``, the first with the embedding, the last
+    with the head."""
+    bounds = (0, *cuts, config.n_layer)
+    return [TinyGPT(config, seed, blocks=range(start, end), embedding=index == 0, head=index == len(cuts))
+            for index, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False))]
+
+
+@pytest.mark.parametrize("cuts", [(2,), (1, 3), (1, 2, 3)], ids=["2 stages", "3 stages", "4 stages"])
+def test_stages_hold_the_whole_models_parameters_by_name_and_value(cuts):
+    whole = TinyGPT(SPLIT, seed=3).state_dict()
+    parts = stages(SPLIT, 3, cuts)
+    names = [name for part in parts for name in part.state_dict()]
+    assert sorted(names) == sorted(whole)  # every parameter once, under the whole model's name
+    for part in parts:
+        assert all(torch.equal(tensor, whole[name]) for name, tensor in part.state_dict().items())
+    assert parts[1].block_indices == tuple(range(cuts[0], (*cuts, 4)[1]))
+    assert parts[-1].blocks[3] is not None and parts[-1].blocks[0] is None
+    assert {name.split(".")[1] for name in parts[1].state_dict() if name.startswith("blocks.")} == \
+        {str(index) for index in parts[1].block_indices}
+    other = TinyGPT(SPLIT, seed=4, blocks=[2], embedding=False, head=False).state_dict()
+    assert not torch.equal(other["blocks.2.attn.query.weight"], whole["blocks.2.attn.query.weight"])
+
+
+def test_stages_in_sequence_compute_the_whole_models_loss_and_gradients():
+    whole = TinyGPT(SPLIT, seed=1)
+    parts = stages(SPLIT, 1, (1, 3))
+    idx = torch.randint(VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(0))
+    targets = idx.roll(-1, dims=1)
+    logits, loss = whole(idx, targets)
+    x = idx
+    for part in parts[:-1]:
+        x, nothing = part(x)
+        assert nothing is None and x.shape == (2, 16, 16)
+    stage_logits, stage_loss = parts[-1](x, targets)
+    assert torch.equal(stage_logits, logits) and torch.equal(stage_loss, loss)
+    loss.backward()
+    stage_loss.backward()
+    gradients = {name: p.grad for name, p in whole.named_parameters()}
+    for part in parts:
+        for name, parameter in part.named_parameters():
+            assert torch.allclose(parameter.grad, gradients[name], rtol=0, atol=1e-7), name
+
+
+def test_pieces_called_apart_compose_to_forward_on_a_tied_model():
+    model = small_gpt(n_layer=3)
+    idx = torch.randint(VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(0))
+    x = model.embed(idx)
+    for block in model.blocks:
+        x = block(x)
+    logits = model.head(x)
+    expected_logits, expected_loss = model(idx, idx)
+    assert torch.equal(logits, expected_logits) and torch.equal(model.loss(logits, idx), expected_loss)
+    # A model with the embedding, the head and no blocks still composes (and ties).
+    bare = TinyGPT(small_gpt().config, blocks=[])
+    assert bare.block_indices == () and bare(idx)[0].shape == (2, 16, VOCAB_SIZE)
+    assert bare.lm_head.weight is bare.token_embedding.weight
+
+
+def test_column_sharded_attention_runs_fewer_heads_and_the_shards_sum_to_the_whole():
+    """Tensor parallelism's view of attention: each of t ranks keeps n_head / t heads (rows of query, key and
+    value, columns of the output projection); the partial outputs add up to the whole layer's output."""
+    attention = TinyGPT(GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=16), seed=0).blocks[0].attn
+    x = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(1))
+    expected = attention(x)
+    total = attention.proj.bias.detach().clone()
+    for rows in (slice(0, 8), slice(8, 16)):  # two ranks, two heads each
+        shard = copy.deepcopy(attention)
+        for name in ("query", "key", "value"):
+            full = getattr(attention, name)
+            part = torch.nn.Linear(16, 8)
+            part.weight.data, part.bias.data = full.weight.data[rows].clone(), full.bias.data[rows].clone()
+            setattr(shard, name, part)
+        shard.proj = torch.nn.Linear(8, 16, bias=False)
+        shard.proj.weight.data = attention.proj.weight.data[:, rows].clone()
+        total = total + shard(x)
+    assert shard.head_dim == 8 // 2 and torch.allclose(total, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("make, named", [
+    (lambda: TinyGPT(GPTConfig(n_layer=2), blocks=[0], head=False), "tie_weights"),
+    (lambda: TinyGPT(SPLIT, blocks=[4]), r"\[0, 4\).*got 4"),
+    (lambda: TinyGPT(SPLIT, blocks=[1, 1]), "twice"),
+    (lambda: TinyGPT(SPLIT, blocks=[True]), "True"),
+    (lambda: TinyGPT(SPLIT, blocks=[], embedding=False, head=False), "nothing"),
+    (lambda: TinyGPT(SPLIT, blocks=[0], head=False)(torch.zeros(1, 4, dtype=torch.long),
+                                                    torch.zeros(1, 4, dtype=torch.long)), "targets"),
+    (lambda: TinyGPT(SPLIT, blocks=[1], embedding=False).embed(torch.zeros(1, 4, dtype=torch.long)),
+     "embedding"),
+    (lambda: TinyGPT(SPLIT, blocks=[0], head=False).head(torch.zeros(1, 4, 16)), "head"),
+    (lambda: TinyGPT(SPLIT, blocks=[0, 1]).generate(torch.zeros(1, 1, dtype=torch.long), 1), "whole model"),
+], ids=["tied_stage", "out_of_range", "duplicate", "bool", "empty", "targets_no_head", "no_embedding",
+        "no_head", "generate_part"])
+def test_splitting_rejects_what_cannot_work_naming_it(make, named):
+    with pytest.raises(ValueError, match=named):
+        make()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -327,6 +438,35 @@ def test_seed_for_rank_is_seed_plus_rank():
     assert [seed_for_rank(10, rank) for rank in range(4)] == [10, 11, 12, 13]
 
 
+def test_data_parallel_shard_is_the_distributed_sampler_of_the_data_parallel_rank():
+    shards = shard_with_distributed_sampler(50, 2, epoch=1)
+    assert [data_parallel_shard(50, dp_rank, 2, epoch=1) for dp_rank in range(2)] == shards
+    # On dp=2 x tp=2 (tp innermost), global ranks 0 and 1 are replica 0, ranks 2 and 3 replica 1.
+    by_global_rank = [data_parallel_shard(50, rank // 2, 2, epoch=1) for rank in range(4)]
+    assert by_global_rank[0] == by_global_rank[1] == shards[0] != by_global_rank[2] == by_global_rank[3]
+
+
+def _draw_batches_on_a_dp_by_tp_mesh(steps: int) -> list[torch.Tensor]:
+    """On 4 ranks laid out dp=2 x tp=2, tp innermost (TP groups {0, 1} and {2, 3}; DP groups {0, 2} and
+    {1, 3}): the batches this rank draws when seeded by its data-parallel rank."""
+    rank = torch_dist.get_rank()
+    tp_groups = [torch_dist.new_group([0, 1]), torch_dist.new_group([2, 3])]
+    dp_groups = [torch_dist.new_group([0, 2]), torch_dist.new_group([1, 3])]
+    tp_group, dp_group = tp_groups[rank // 2], dp_groups[rank % 2]
+    assert torch_dist.get_world_size(tp_group) == 2 and torch_dist.get_rank(tp_group) == rank % 2
+    generator = data_parallel_generator(7, torch_dist.get_rank(dp_group), torch_dist.get_world_size(dp_group))
+    tokens = MarkovChain().sample(2_000, seed=0)
+    return [torch.cat(batches(tokens, 4, 8, generator)) for _ in range(steps)]
+
+
+def test_tensor_parallel_peers_draw_the_same_batches_and_data_parallel_peers_different_ones():
+    drawn = launch(_draw_batches_on_a_dp_by_tp_mesh, 3, nprocs=4)
+    for step in range(3):
+        assert torch.equal(drawn[0][step], drawn[1][step]) and torch.equal(drawn[2][step], drawn[3][step])
+        assert not torch.equal(drawn[0][step], drawn[2][step])
+    assert not torch.equal(drawn[0][0], drawn[0][1])  # and each replica moves on from step to step
+
+
 def test_augmentation_overlap_is_total_with_a_shared_seed_and_near_zero_with_per_rank_seeds():
     assert augmentation_overlap(4, same_seed=True) == 1.0
     assert augmentation_overlap(4, same_seed=False) < 0.05
@@ -349,8 +489,10 @@ def test_augmentation_overlap_is_total_with_a_shared_seed_and_near_zero_with_per
     (lambda: shard_with_distributed_sampler(10, 0, epoch=0), "world_size"),
     (lambda: augmentation_overlap(1, same_seed=True), "num_ranks"),
     (lambda: seed_for_rank(0, -1), "rank"),
+    (lambda: data_parallel_generator(0, 2, 2), r"dp_rank.*dp_size=2.*got 2"),
+    (lambda: data_parallel_shard(10, 0, 0, epoch=0), "dp_size"),
 ], ids=["heads", "block_size", "dropout", "preset", "hidden", "successors", "short_tokens", "window", "samples",
-        "world_size", "one_rank", "negative_rank"])
+        "world_size", "one_rank", "negative_rank", "dp_rank", "dp_size"])
 def test_bad_input_raises_value_error_naming_the_value(make, named):
     with pytest.raises(ValueError, match=named):
         make()

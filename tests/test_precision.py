@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.ddp import DistributedDataParallel
 from labkit.launch import launch
+from labkit.measure import time_step
 from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
+from labkit.parallel.ddp import DistributedDataParallel
 from labkit.precision import (
     DynamicLossScaler,
     MasterWeights,
@@ -24,7 +25,6 @@ from labkit.precision import (
     gradient_underflow,
     needs_loss_scaling,
     overflow_fraction,
-    time_step,
     underflow_fraction,
 )
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from labkit import train
+from labkit.launch import launch
 from tests.conftest import REPO
 
 
@@ -34,6 +35,27 @@ def test_ddp_on_forked_ranks_keeps_replicas_identical_and_rank_zero_saves_once(t
     assert state["step"] == 10 and state["config"]["strategy"] == "ddp"
     assert not any(name.startswith("module.") for name in state["model"])  # the unwrapped model's keys
     assert not list(tmp_path.glob("run/*.partial"))
+
+
+def test_every_strategy_trains_the_same_model_through_the_same_loop(capsys):
+    """ddp, zero1, zero2 and fsdp are the same mathematics: same data, same weights after a few steps (and the
+    same as each replica's checksum); only the bytes they move and hold differ."""
+    results = {}
+    for strategy in ("ddp", "zero1", "zero2", "fsdp"):
+        config = train.TrainConfig(strategy=strategy, model="tiny-gpt", steps=4, log_every=2, clip_grad_norm=0.5)
+        results[strategy] = launch(train.train, config, nprocs=2, timeout=120, rank_output="none")
+    checksums = {strategy: [r["checksum"] for r in ranks] for strategy, ranks in results.items()}
+    reference = checksums["ddp"][0]
+    for strategy, values in checksums.items():
+        assert all(abs(value - reference) < 1e-3 for value in values), (strategy, values, reference)
+    losses = {strategy: ranks[0]["losses"] for strategy, ranks in results.items()}
+    for strategy in losses:
+        assert losses[strategy] == pytest.approx(losses["ddp"], abs=1e-4), strategy
+    communication = {strategy: ranks[0]["communication"] for strategy, ranks in results.items()}
+    assert set(communication["ddp"]) == {"all_reduce"} and set(communication["zero1"]) == {"all_reduce", "broadcast"}
+    assert set(communication["zero2"]) == set(communication["fsdp"]) == {"reduce_scatter", "all_gather"}
+    states = {strategy: ranks[0]["memory"]["optimizer_states"] for strategy, ranks in results.items()}
+    assert states["zero1"] < states["ddp"] and states["zero2"] < states["ddp"] and states["fsdp"] < states["ddp"]
 
 
 def test_tiny_gpt_trains_toward_the_entropy_floor(capsys):

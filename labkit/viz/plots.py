@@ -13,17 +13,17 @@ from collections.abc import Sequence
 from matplotlib import patches as matplotlib_patches
 from matplotlib.figure import Figure
 
-from labkit import costmodel
+from labkit.costmodel import compute
 
 GIB = 1024**3
 
 
-def plot_why_distributed(parameters: float, tokens: float, gpus: int, gpu: costmodel.GPU,
+def plot_why_distributed(parameters: float, tokens: float, gpus: int, gpu: compute.GPU,
                          utilization: float) -> Figure:
     """Two panels: model-state memory per GPU (replicated vs sharded) and training days against GPU count."""
     figure = Figure(figsize=(11, 3.8))
     memory_axis, time_axis = figure.subplots(1, 2)
-    state = costmodel.model_state_bytes(parameters)
+    state = compute.model_state_bytes(parameters)
     bars = {"one GPU holds\nall of it": state, f"sharded over\n{gpus} GPUs": state / gpus}
     colors = ["tab:red" if value > gpu.memory_bytes else "tab:green" for value in bars.values()]
     memory_axis.bar(list(bars), [value / 1e9 for value in bars.values()], color=colors)
@@ -32,12 +32,12 @@ def plot_why_distributed(parameters: float, tokens: float, gpus: int, gpu: costm
     memory_axis.set_title(f"{parameters / 1e9:.1f}B parameters x 16 bytes")
     memory_axis.legend(loc="upper right")
     counts = [2**k for k in range(0, 15)]
-    days = [costmodel.training_time_seconds(parameters, tokens, n, gpu.peak_bf16_flops, utilization)
-            / costmodel.SECONDS_PER_DAY for n in counts]
+    days = [compute.training_time_seconds(parameters, tokens, n, gpu.peak_bf16_flops, utilization)
+            / compute.SECONDS_PER_DAY for n in counts]
     time_axis.loglog(counts, days, marker=".", label="6ND / (GPUs x peak x MFU)")
-    chosen = costmodel.training_time_seconds(parameters, tokens, gpus, gpu.peak_bf16_flops, utilization)
-    time_axis.scatter([gpus], [chosen / costmodel.SECONDS_PER_DAY], color="tab:red", zorder=3,
-                      label=f"{gpus} GPUs: {chosen / costmodel.SECONDS_PER_DAY:,.1f} days")
+    chosen = compute.training_time_seconds(parameters, tokens, gpus, gpu.peak_bf16_flops, utilization)
+    time_axis.scatter([gpus], [chosen / compute.SECONDS_PER_DAY], color="tab:red", zorder=3,
+                      label=f"{gpus} GPUs: {chosen / compute.SECONDS_PER_DAY:,.1f} days")
     time_axis.axhline(30, color="gray", linestyle=":", label="one month")
     time_axis.set_xlabel("number of GPUs")
     time_axis.set_ylabel("training time (days)")
@@ -77,7 +77,7 @@ def figure_to_png(figure: Figure, dpi: int = 90) -> bytes:
 RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
 
-def _cell(axis, x: float, y: float, text: str, color: str, alpha: float = 1.0) -> None:
+def cell(axis, x: float, y: float, text: str, color: str, alpha: float = 1.0) -> None:
     axis.add_patch(matplotlib_patches.Rectangle((x, y), 0.92, 0.8, facecolor=color, alpha=alpha,
                                                 edgecolor="black", linewidth=0.6))
     axis.text(x + 0.46, y + 0.4, text, ha="center", va="center", fontsize=8)
@@ -109,7 +109,7 @@ def plot_collective_states(world_size: int = 4) -> Figure:
             for rank in range(world_size):
                 for chunk in range(world_size):
                     text, color = layout(rank, chunk)
-                    _cell(axis, chunk, world_size - 1 - rank, text, color, 0.75 if color != "white" else 1.0)
+                    cell(axis, chunk, world_size - 1 - rank, text, color, 0.75 if color != "white" else 1.0)
             axis.set_xlim(-0.1, world_size)
             axis.set_ylim(-0.1, world_size)
             axis.set_yticks([world_size - 1 - rank + 0.4 for rank in range(world_size)],
@@ -170,7 +170,7 @@ def plot_ring_step(states: Sequence[dict], sends: Sequence[Sequence[dict]], worl
             complete = len(owners) == world_size
             label = "Σ" if complete else "+".join(str(owner) for owner in sorted(owners))
             # hue: the chunk (rank c finishes chunk c); depth: how many ranks' data it already holds
-            _cell(axis, column, y, label, RANK_COLORS[chunk % len(RANK_COLORS)], 0.12 + 0.88 * len(owners) / world_size)
+            cell(axis, column, y, label, RANK_COLORS[chunk % len(RANK_COLORS)], 0.12 + 0.88 * len(owners) / world_size)
     upcoming = sends[step] if step < len(sends) else []
     for record in upcoming:
         column = pieces.index((record["chunk"], record.get("segment", 0)))
@@ -201,43 +201,48 @@ def plot_bandwidth(sizes_bytes: Sequence[int], measured: dict[str, Sequence[floa
                    predicted: dict[str, Sequence[float]] | None = None,
                    title: str = "Bus bandwidth against message size") -> Figure:
     """Bus bandwidth (GB/s) against message size, measured (solid, dots) beside the model (dashed)."""
-    figure = Figure(figsize=(7, 4))
-    axis = figure.subplots()
-    for index, (label, values) in enumerate(measured.items()):
-        axis.semilogx(sizes_bytes, [v / 1e9 for v in values], marker="o", color=RANK_COLORS[index], label=label)
-    for index, (label, values) in enumerate((predicted or {}).items()):
-        axis.semilogx(sizes_bytes, [v / 1e9 for v in values], linestyle="--", color=RANK_COLORS[index], label=label)
-    axis.set_xlabel("message size (bytes)")
-    axis.set_ylabel("bus bandwidth (GB/s)")
-    axis.set_title(title)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    return figure
+    return _measured_beside_model(sizes_bytes, measured, predicted, 1e-9, "message size (bytes)",
+                                  "bus bandwidth (GB/s)", title, log_x=True)
 
 
 def plot_time_against_ranks(ranks: Sequence[int], measured: dict[str, Sequence[float]],
                             predicted: dict[str, Sequence[float]] | None = None,
                             title: str = "All-reduce time against the number of ranks") -> Figure:
     """Seconds per collective against the number of ranks, measured (solid) beside the model (dashed)."""
+    return _measured_beside_model(ranks, measured, predicted, 1e3, "ranks (N)", "time per all-reduce (ms)", title,
+                                  xticks=list(ranks))
+
+
+def _measured_beside_model(x: Sequence[float], measured: dict[str, Sequence[float]],
+                           predicted: dict[str, Sequence[float]] | None, scale: float, xlabel: str, ylabel: str,
+                           title: str, log_x: bool = False, xticks: list | None = None) -> Figure:
+    """Curves of ``measured`` (solid, dots) and ``predicted`` (dashed), the same colour for the same index."""
     figure = Figure(figsize=(7, 4))
     axis = figure.subplots()
+    plot = axis.semilogx if log_x else axis.plot
     for index, (label, values) in enumerate(measured.items()):
-        axis.plot(ranks, [v * 1e3 for v in values], marker="o", color=RANK_COLORS[index], label=label)
+        plot(x, [v * scale for v in values], marker="o", color=RANK_COLORS[index], label=label)
     for index, (label, values) in enumerate((predicted or {}).items()):
-        axis.plot(ranks, [v * 1e3 for v in values], linestyle="--", color=RANK_COLORS[index], label=label)
-    axis.set_xlabel("ranks (N)")
-    axis.set_ylabel("time per all-reduce (ms)")
-    axis.set_xticks(list(ranks))
+        plot(x, [v * scale for v in values], linestyle="--", color=RANK_COLORS[index], label=label)
+    if xticks is not None:
+        axis.set_xticks(xticks)
+    finish(axis, xlabel, ylabel, title)
+    return figure
+
+
+def finish(axis, xlabel: str, ylabel: str, title: str) -> None:
+    """Label the axes, title them, show the legend small and tighten the figure's layout."""
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
     axis.set_title(title)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    return figure
+    axis.figure.tight_layout()
 
 
 # --------------------------------------------------------------------------------------------------------
 # Lesson 02: timelines and scaling
 
-KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "idle": "#B0B0B0"}
+KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "idle": "#B0B0B0", "bubble": "#CCB974"}
 
 
 def plot_timeline(spans: Sequence, title: str = "What each rank was doing", ax=None) -> Figure:
@@ -248,7 +253,7 @@ def plot_timeline(spans: Sequence, title: str = "What each rank was doing", ax=N
     figure = Figure(figsize=(10, 0.6 + 0.9 * len({s.rank for s in spans}))) if ax is None else ax.figure
     axis = figure.subplots() if ax is None else ax
     ranks = sorted({s.rank for s in spans})
-    lanes = {"compute": 0.45, "idle": 0.45, "comm": 0.0}
+    lanes = {"compute": 0.45, "idle": 0.45, "bubble": 0.45, "comm": 0.0}
     for position, rank in enumerate(ranks):
         base = (len(ranks) - 1 - position) * 1.2
         for span in (s for s in spans if s.rank == rank):
@@ -293,7 +298,7 @@ def plot_scaling(ranks: Sequence[int], throughput: Sequence[float], predicted: S
 
 def plot_step_breakdown(steps: dict, title: str = "Where a data-parallel step's time goes") -> Figure:
     """Stacked bars (ms) of forward, backward, exposed communication and optimizer per labelled
-    ``costmodel.DataParallelStep``; the hidden (overlapped) communication is drawn hatched beside them."""
+    ``labkit.costmodel.step.DataParallelStep``; the hidden (overlapped) communication is drawn hatched beside them."""
     figure = Figure(figsize=(11, 1.2 + 0.55 * len(steps)))
     axis = figure.subplots()
     parts = [("forward", "forward_s", "#4C72B0"), ("backward", "backward_s", "#55A868"),
@@ -315,187 +320,5 @@ def plot_step_breakdown(steps: dict, title: str = "Where a data-parallel step's 
     axis.set_xlabel("time per step (ms)")
     axis.set_title(title)
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    figure.tight_layout()
-    return figure
-
-
-# --------------------------------------------------------------------------------------------------------
-# Lesson 03: learning rates and batch sizes
-
-
-def plot_lr_schedules(schedules: dict[str, Sequence[float]], samples_per_step: dict[str, int] | None = None,
-                      title: str = "Learning-rate schedules") -> Figure:
-    """Learning rate against step (left) and against samples seen (right, when ``samples_per_step`` is
-    given: a larger global batch takes fewer, bigger steps through the same data)."""
-    figure = Figure(figsize=(11, 3.8))
-    step_axis, sample_axis = figure.subplots(1, 2)
-    for index, (label, values) in enumerate(schedules.items()):
-        color = RANK_COLORS[index % len(RANK_COLORS)]
-        step_axis.plot(range(1, len(values) + 1), values, color=color, label=label)
-        if samples_per_step:
-            per_step = samples_per_step[label]
-            sample_axis.plot([per_step * step for step in range(len(values))], values, color=color, label=label)
-    step_axis.set_xscale("log")
-    step_axis.set_xlabel("optimizer step (log scale)")
-    step_axis.set_ylabel("learning rate")
-    step_axis.set_title(title)
-    step_axis.legend(fontsize=8)
-    sample_axis.set_xlabel("samples seen")
-    sample_axis.set_ylabel("learning rate")
-    sample_axis.set_title("the same schedules against samples seen")
-    figure.tight_layout()
-    return figure
-
-
-def _smooth(values: Sequence[float], window: int) -> list[float]:
-    window = max(1, window)
-    smoothed, total = [], 0.0
-    for index, value in enumerate(values):
-        total += value
-        if index >= window:
-            total -= values[index - window]
-        smoothed.append(total / min(index + 1, window))
-    return smoothed
-
-
-def plot_lr_experiment(results: dict[tuple[str, int], Sequence[float]], base_batch: int,
-                       floor: float | None = None) -> Figure:
-    """Training loss of the scaling experiment: one column per LR recipe, one line per batch multiple ``k``;
-    top row against samples seen, bottom row against optimizer steps (moving average over ~1/20 of a run).
-    The loss axis stops at 3.5 nats, so a diverging run leaves through the top of its panel."""
-    recipes = list(dict.fromkeys(recipe for recipe, _ in results))
-    multiples = sorted({k for _, k in results})
-    figure = Figure(figsize=(4 * len(recipes), 7))
-    axes = figure.subplots(2, len(recipes), squeeze=False)
-    for column, recipe in enumerate(recipes):
-        for index, k in enumerate(multiples):
-            losses = results.get((recipe, k))
-            if losses is None:
-                continue
-            smoothed = _smooth(losses, len(losses) // 20)
-            color = RANK_COLORS[index % len(RANK_COLORS)]
-            label = f"global batch {k * base_batch} ({k}x)"
-            axes[0][column].plot([(step + 1) * k * base_batch for step in range(len(losses))], smoothed,
-                                 color=color, label=label)
-            axes[1][column].plot(range(1, len(losses) + 1), smoothed, color=color, label=label)
-        for row, xlabel in enumerate(("samples seen", "optimizer step")):
-            axis = axes[row][column]
-            if floor is not None:
-                axis.axhline(floor, color="black", linestyle=":", linewidth=1)
-            axis.set_xlabel(xlabel)
-            axis.set_ylabel("training loss (nats)")
-            axis.set_ylim(0.0, max(3.5, (floor or 0.0) * 2))  # a diverging run leaves through the top
-            if row == 1:
-                axis.set_xscale("log")
-            axis.set_title(recipe if row == 0 else f"{recipe}, against steps", fontsize=10)
-        axes[0][column].legend(fontsize=7)
-    figure.tight_layout()
-    return figure
-
-
-# --------------------------------------------------------------------------------------------------------
-# Lesson 04: precision and memory
-
-MEMORY_COLORS = {"weights": "#4C72B0", "gradients": "#55A868", "optimizer_states": "#DD8452",
-                 "optimizer_other": "#937860", "activations": "#8172B3"}
-
-
-def plot_gradient_magnitudes(gradients, thresholds: dict[str, float], title: str = "Gradient magnitudes") -> Figure:
-    """Histogram of ``log2 |g|`` over a model's nonzero gradient values, with each format's smallest
-    representable magnitude drawn as a vertical line: everything left of a line is rounded to zero there."""
-    import math
-
-    values = gradients[gradients != 0].abs().double().log2()
-    figure = Figure(figsize=(8, 3.8))
-    axis = figure.subplots()
-    axis.hist(values.numpy(), bins=80, color="#4C72B0", alpha=0.8)
-    for index, (label, threshold) in enumerate(thresholds.items()):
-        axis.axvline(math.log2(threshold), color=RANK_COLORS[(index + 1) % len(RANK_COLORS)], linestyle="--",
-                     label=f"{label}: 2^{math.log2(threshold):.0f}")
-    axis.set_xlabel("log2 |gradient value|")
-    axis.set_ylabel("number of values")
-    axis.set_title(title)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    return figure
-
-
-def plot_memory_breakdown(measured: dict[str, dict[str, float]],
-                          predicted: dict[str, dict[str, float]] | None = None,
-                          capacity_bytes: float | None = None, unit: float = 2**20, unit_name: str = "MiB",
-                          title: str = "Memory per category") -> Figure:
-    """Stacked bars per labelled configuration (weights, gradients, optimizer states, activations...);
-    the prediction, when given, is drawn as a black tick on top of each bar; ``capacity_bytes`` as a line."""
-    figure = Figure(figsize=(max(6, 1.6 * len(measured) + 3), 4))
-    axis = figure.subplots()
-    labels = list(measured)
-    categories = [c for c in MEMORY_COLORS if any(c in parts for parts in measured.values())]
-    bottoms = [0.0] * len(labels)
-    for category in categories:
-        heights = [measured[label].get(category, 0.0) / unit for label in labels]
-        axis.bar(labels, heights, bottom=bottoms, color=MEMORY_COLORS[category], label=category.replace("_", " "))
-        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    if predicted:
-        for index, label in enumerate(labels):
-            if label in predicted:
-                total = sum(predicted[label].values()) / unit
-                axis.plot([index - 0.4, index + 0.4], [total, total], color="black", linewidth=2,
-                          label="model" if index == 0 else None)
-    if capacity_bytes:
-        axis.axhline(capacity_bytes / unit, color="tab:red", linestyle="--", label="device memory")
-    axis.set_ylabel(f"memory ({unit_name})")
-    axis.set_title(title)
-    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    figure.tight_layout()
-    return figure
-
-
-def plot_checkpointing(blocks_checkpointed: Sequence[int], activation_bytes: Sequence[float],
-                       step_seconds: Sequence[float], title: str = "Activation checkpointing") -> Figure:
-    """Activation memory (MiB) and step time (ms) against the number of blocks checkpointed."""
-    figure = Figure(figsize=(10, 3.6))
-    memory_axis, time_axis = figure.subplots(1, 2)
-    memory_axis.plot(blocks_checkpointed, [b / 2**20 for b in activation_bytes], marker="o", color="#8172B3")
-    memory_axis.set_xlabel("blocks checkpointed")
-    memory_axis.set_ylabel("activations saved for backward (MiB)")
-    memory_axis.set_xticks(list(blocks_checkpointed))
-    time_axis.plot(blocks_checkpointed, [s * 1e3 for s in step_seconds], marker="o", color="#C44E52")
-    time_axis.set_xlabel("blocks checkpointed")
-    time_axis.set_ylabel("forward + backward (ms)")
-    time_axis.set_xticks(list(blocks_checkpointed))
-    figure.suptitle(title)
-    figure.tight_layout()
-    return figure
-
-
-# --------------------------------------------------------------------------------------------------------
-# Lesson 05: ZeRO
-
-
-def plot_zero_stages(world_size: int = 4) -> Figure:
-    """Who holds what under DP and ZeRO 1-3: one row per rank, one column per state (parameters, gradients,
-    optimizer states), each split into ``world_size`` shards; a filled cell is held by that rank."""
-    stages = {"DP": 0, "ZeRO-1": 1, "ZeRO-2": 2, "ZeRO-3": 3}
-    states = [("parameters", "#4C72B0", 3), ("gradients", "#55A868", 2), ("optimizer states", "#DD8452", 1)]
-    figure = Figure(figsize=(12, 0.8 + 0.42 * world_size))
-    axes = figure.subplots(1, len(stages))
-    for axis, (name, stage) in zip(axes, stages.items(), strict=True):
-        for column, (_state, color, sharded_from) in enumerate(states):
-            for rank in range(world_size):
-                for shard in range(world_size):
-                    held = stage < sharded_from or shard == rank
-                    x = column * (world_size + 1) + shard
-                    axis.add_patch(matplotlib_patches.Rectangle(
-                        (x, world_size - 1 - rank), 0.9, 0.8, facecolor=color if held else "white",
-                        edgecolor="black", linewidth=0.4))
-        axis.set_xlim(-0.2, len(states) * (world_size + 1))
-        axis.set_ylim(-0.2, world_size)
-        axis.set_xticks([column * (world_size + 1) + world_size / 2 for column in range(len(states))],
-                        [state for state, _, _ in states], fontsize=7)
-        axis.set_yticks([world_size - 1 - rank + 0.4 for rank in range(world_size)],
-                        [f"rank {rank}" for rank in range(world_size)], fontsize=8)
-        axis.set_title(name)
-        for side in ("top", "right", "bottom", "left"):
-            axis.spines[side].set_visible(False)
     figure.tight_layout()
     return figure

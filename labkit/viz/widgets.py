@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from labkit import costmodel
-from labkit.viz import plots
+from labkit import lr
+from labkit.costmodel import collectives, compute, memory
+from labkit.costmodel import step as step_model
+from labkit.viz import plots, training_plots
 
 
 def why_distributed_explorer(parameters: float = 7e9, tokens: float = 2e12, gpus: int = 64,
@@ -20,13 +22,13 @@ def why_distributed_explorer(parameters: float = 7e9, tokens: float = 2e12, gpus
     token_slider = widgets.FloatLogSlider(value=tokens, base=10, min=9, max=13.5, step=0.05,
                                           description="tokens", readout_format=".2g")
     gpu_slider = widgets.IntSlider(value=gpus, min=1, max=4096, description="GPUs")
-    gpu_choice = widgets.Dropdown(options=list(costmodel.GPUS), value=gpu, description="GPU")
+    gpu_choice = widgets.Dropdown(options=list(compute.GPUS), value=gpu, description="GPU")
     mfu_slider = widgets.FloatSlider(value=utilization, min=0.1, max=0.7, step=0.05, description="MFU")
     picture = widgets.Image(format="png")
 
     def redraw(_change=None) -> None:
         figure = plots.plot_why_distributed(parameter_slider.value, token_slider.value, gpu_slider.value,
-                                            costmodel.GPUS[gpu_choice.value], mfu_slider.value)
+                                            compute.GPUS[gpu_choice.value], mfu_slider.value)
         picture.value = plots.figure_to_png(figure)
 
     for control in (parameter_slider, token_slider, gpu_slider, gpu_choice, mfu_slider):
@@ -69,7 +71,6 @@ def ring_all_reduce_explorer(records: dict[tuple[int, int], list[dict]]) -> widg
 def alpha_beta_explorer(links: dict, world_size: int = 8) -> widgets.VBox:
     """Pick a link (alpha, beta) and a number of ranks: predicted all-reduce bus bandwidth against message size
     for the ring, the parameter server and the binomial tree (``links``: name -> ``collectives.LinkModel``)."""
-    from labkit import collectives  # imported here: collectives is only needed by lesson 01's widgets
 
     link_choice = widgets.Dropdown(options=list(links), description="link")
     rank_slider = widgets.IntSlider(value=world_size, min=2, max=64, description="ranks N")
@@ -100,7 +101,6 @@ def ddp_step_explorer(links: dict, compute_ms: float = 60.0, parameters_m: float
     """Data parallelism's step-time model: model size, ranks, link, buckets, overlap -> step breakdown and
     scaling efficiency (``links``: name -> ``collectives.LinkModel``).  Compute is split 1 : 2 : 0.2 between
     forward, backward and optimizer, per rank, at a fixed per-rank batch."""
-    from labkit import costmodel
 
     parameter_slider = widgets.FloatLogSlider(value=parameters_m, base=10, min=-1, max=4, step=0.05,
                                               description="params (M)", readout_format=".3g")
@@ -120,10 +120,10 @@ def ddp_step_explorer(links: dict, compute_ms: float = 60.0, parameters_m: float
         buckets = [cap] * (gradient_bytes // cap) + ([gradient_bytes % cap] if gradient_bytes % cap else [])
         total = compute_slider.value / 1e3
         forward, backward, optimizer = total / 3.2, 2 * total / 3.2, 0.2 * total / 3.2
-        steps = {"1 rank (no communication)": costmodel.ddp_step_time(forward, backward, optimizer, buckets, 1, link)}
+        steps = {"1 rank (no communication)": step_model.ddp_step_time(forward, backward, optimizer, buckets, 1, link)}
         for overlap in (False, True):
             label = f"N={rank_slider.value}, overlap {'on' if overlap else 'off'}"
-            steps[label] = costmodel.ddp_step_time(forward, backward, optimizer, buckets, rank_slider.value, link,
+            steps[label] = step_model.ddp_step_time(forward, backward, optimizer, buckets, rank_slider.value, link,
                                                    overlap=overlap)
         single = steps["1 rank (no communication)"].step_s
         efficiency = {label: single / step.step_s for label, step in steps.items()}
@@ -143,7 +143,6 @@ def ddp_step_explorer(links: dict, compute_ms: float = 60.0, parameters_m: float
 def lr_schedule_explorer(base_lr: float = 0.01, base_batch: int = 16, total_samples: int = 65536) -> widgets.VBox:
     """Base LR, batch multiples, warmup length and decay shape -> the scaled schedules, against steps and
     against samples seen (lesson 03)."""
-    from labkit import schedules
 
     lr_slider = widgets.FloatLogSlider(value=base_lr, base=10, min=-4, max=0, step=0.1, description="base LR")
     multiples = widgets.SelectMultiple(options=[1, 2, 4, 8, 16, 32, 64, 128], value=(1, 4, 16, 64),
@@ -161,15 +160,15 @@ def lr_schedule_explorer(base_lr: float = 0.01, base_batch: int = 16, total_samp
             global_batch = base_batch * k
             total = max(1, total_samples // global_batch)
             warmup = min(int(warmup_slider.value * total), total - 1)
-            peak = schedules.scaled_lr(lr_slider.value, base_batch, global_batch, rule=rule_choice.value)
+            peak = lr.scaled_lr(lr_slider.value, base_batch, global_batch, rule=rule_choice.value)
             step_size = max(1, (total - warmup) // 3)
             label = f"batch {global_batch} ({k}x)"
-            curves[label] = [peak * schedules.lr_factor(step, total, warmup, start_slider.value, decay_choice.value,
+            curves[label] = [peak * lr.lr_factor(step, total, warmup, start_slider.value, decay_choice.value,
                                                          step_size=step_size)
                              for step in range(total)]
             samples_per_step[label] = global_batch
         if curves:
-            picture.value = plots.figure_to_png(plots.plot_lr_schedules(
+            picture.value = plots.figure_to_png(training_plots.plot_lr_schedules(
                 curves, samples_per_step, title=f"{rule_choice.value} rule, {decay_choice.value} decay"))
 
     for control in (lr_slider, multiples, rule_choice, warmup_slider, start_slider, decay_choice):
@@ -182,19 +181,18 @@ def lr_schedule_explorer(base_lr: float = 0.01, base_batch: int = 16, total_samp
 
 def precision_memory_explorer(parameters_b: float = 7.0) -> widgets.VBox:
     """Model size, precision and optimizer -> model-state memory per GPU against a GPU's memory (lesson 04)."""
-    from labkit import costmodel, memory
 
     size_slider = widgets.FloatLogSlider(value=parameters_b, base=10, min=-1, max=3, step=0.05,
                                          description="params (B)", readout_format=".3g")
-    gpu_choice = widgets.Dropdown(options=list(costmodel.GPUS), value="H100 80GB", description="GPU")
+    gpu_choice = widgets.Dropdown(options=list(compute.GPUS), value="H100 80GB", description="GPU")
     picture = widgets.Image(format="png")
 
     def redraw(_change=None) -> None:
         count = int(size_slider.value * 1e9)
         configurations = {f"{precision}\n{optimizer}": memory.predicted_model_state_bytes(count, precision, optimizer)
                           for precision in ("fp32", "mixed") for optimizer in ("sgd", "momentum", "adam")}
-        gpu = costmodel.GPUS[gpu_choice.value]
-        figure = plots.plot_memory_breakdown(configurations, capacity_bytes=gpu.memory_bytes, unit=1e9,
+        gpu = compute.GPUS[gpu_choice.value]
+        figure = training_plots.plot_memory_breakdown(configurations, capacity_bytes=gpu.memory_bytes, unit=1e9,
                                              unit_name="GB", title=f"{size_slider.value:.3g}B parameters: "
                                              "model states, before any activation")
         picture.value = plots.figure_to_png(figure)
@@ -210,7 +208,6 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
     micro-batch, sequence length and activation checkpointing -> stacked bytes per rank against a GPU."""
     import dataclasses
 
-    from labkit import costmodel, memory
 
     preset_choice = widgets.Dropdown(options=list(memory.MODEL_SHAPES), value=preset, description="model")
     precision_choice = widgets.Dropdown(options=["mixed", "fp32"], value="mixed", description="precision")
@@ -219,7 +216,7 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
     batch_slider = widgets.IntSlider(value=1, min=1, max=64, description="micro-batch")
     sequence_slider = widgets.IntSlider(value=4096, min=128, max=32768, step=128, description="sequence")
     checkpoint_box = widgets.Checkbox(value=False, description="activation checkpointing")
-    gpu_choice = widgets.Dropdown(options=list(costmodel.GPUS), value="H100 80GB", description="GPU")
+    gpu_choice = widgets.Dropdown(options=list(compute.GPUS), value="H100 80GB", description="GPU")
     picture = widgets.Image(format="png")
     verdict = widgets.HTML()
 
@@ -228,7 +225,7 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
         count = memory.num_parameters(shape)
         activations = memory.activation_bytes(shape, batch_slider.value, precision=precision_choice.value,
                                               flash_attention=True, checkpointing=checkpoint_box.value)
-        gpu = costmodel.GPUS[gpu_choice.value]
+        gpu = compute.GPUS[gpu_choice.value]
         per_stage = {f"ZeRO-{stage}" if stage else "DP": memory.memory_per_rank(
             count, precision_choice.value, "adam", zero_stage=stage, dp_degree=dp_slider.value,
             activation_bytes=activations) for stage in range(4)}
@@ -239,7 +236,7 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
                          f"{activations / 1e9:,.1f} GB)")
         bars = {label: {key: value for key, value in parts.items() if key != "total"}
                 for label, parts in per_stage.items()}
-        picture.value = plots.figure_to_png(plots.plot_memory_breakdown(
+        picture.value = plots.figure_to_png(training_plots.plot_memory_breakdown(
             bars, capacity_bytes=gpu.memory_bytes, unit=1e9, unit_name="GB",
             title=f"{preset_choice.value}, {precision_choice.value} precision, DP degree {dp_slider.value}"))
 

@@ -42,15 +42,19 @@ less than ``min_compression_rate`` are all-reduced uncompressed, batched into on
 gradient has rank ``<= r``, the approximation is exact (up to rounding).  PyTorch also runs plain all-reduce
 for the first ``start_powerSGD_iter`` steps; here compression starts at once.
 
-**The protocol** ``labkit.ddp.DistributedDataParallel`` uses, and that all three implement::
+**The protocol** ``labkit.parallel.ddp.DistributedDataParallel`` uses, and that all three implement::
 
-    handle = compression.launch(key, flat, views, group)   # compress, start the (asynchronous) communication
-    compression.complete(handle)                           # wait, decompress: flat now holds the *mean*
+    handle = compression.launch(key, flat, views, group, count=None)  # compress, start the communication
+    compression.complete(handle)                                      # wait, decompress: flat holds the *mean*
 
 ``key`` is the bucket's index (it names the state kept between steps: residuals, errors, warm-start Qs, so use
 one compression object per model); ``flat`` is the bucket's contiguous gradient buffer and ``views`` are its
 per-parameter slices in the parameters' shapes (PowerSGD needs the matrices; the others ignore them).
 ``launch`` must start communication in the same order on every rank; ``complete`` is called in bucket order.
+``count``, when given, is called as ``count(kind, tensor)`` for every tensor that enters a collective (``kind``:
+``"all_reduce"`` or ``"all_gather"``), measured as ``labkit.parallel.base`` measures a collective's size (an
+all-gather by its output, ``N`` contributions); DDP passes its byte counter, so that its
+``communication_per_step()`` shows what the compressor really sent, by collective.
 
 Every compression counts ``bytes_sent`` (bytes this rank put into collectives: the message size ``n`` of the
 alpha-beta model, before the algorithm's own ``2(N-1)/N`` or ``N-1`` factor) and ``bytes_uncompressed`` (what
@@ -60,6 +64,7 @@ a plain all-reduce of the same buckets would have put in), cumulatively; ``compr
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -67,13 +72,15 @@ import torch.distributed as dist
 
 from labkit import trace
 
+CountBytes = Callable[[str, torch.Tensor], None]  # count(kind, tensor): tensor enters a collective of kind
+
 
 class GradientCompression(Protocol):
     bytes_sent: int
     bytes_uncompressed: int
 
     def launch(self, key: int, flat: torch.Tensor, views: list[torch.Tensor],
-               group: dist.ProcessGroup | None) -> Any: ...
+               group: dist.ProcessGroup | None, count: CountBytes | None = None) -> Any: ...
 
     def complete(self, handle: Any) -> None: ...
 
@@ -102,6 +109,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _tell(count: CountBytes | None, kind: str, *tensors: torch.Tensor) -> None:
+    if count is not None:
+        for tensor in tensors:
+            count(kind, tensor)
+
+
 # --------------------------------------------------------------------------------------------------------
 # fp16 / bf16
 
@@ -116,11 +129,12 @@ class CastCompression(_ByteCounter):
         self.dtype = dtype
 
     def launch(self, key: int, flat: torch.Tensor, views: list[torch.Tensor],
-               group: dist.ProcessGroup | None) -> Any:
+               group: dist.ProcessGroup | None, count: CountBytes | None = None) -> Any:
         low = flat.div(dist.get_world_size(group)).to(self.dtype)  # divide first: the mean cannot overflow
         work = dist.all_reduce(low, group=group, async_op=True)
         trace.record_async(work, f"all-reduce bucket {key} ({str(self.dtype).removeprefix('torch.')})")
         self._count(_nbytes(low), flat)
+        _tell(count, "all_reduce", low)
         return flat, low, work
 
     def complete(self, handle: Any) -> None:
@@ -164,7 +178,7 @@ class TopKCompression(_ByteCounter):
         return min(numel, max(1, math.ceil(self.fraction * numel)))
 
     def launch(self, key: int, flat: torch.Tensor, views: list[torch.Tensor],
-               group: dist.ProcessGroup | None) -> Any:
+               group: dist.ProcessGroup | None, count: CountBytes | None = None) -> Any:
         corrected = flat + self.residuals[key] if key in self.residuals else flat.clone()
         indices = corrected.abs().topk(self.k_of(flat.numel()), sorted=False).indices
         values = corrected[indices]
@@ -179,6 +193,7 @@ class TopKCompression(_ByteCounter):
         for work in works:
             trace.record_async(work, f"all-gather bucket {key} (top-k)")
         self._count(_nbytes(values) + _nbytes(indices), flat)
+        _tell(count, "all_gather", *all_values, *all_indices)
         return flat, all_values, all_indices, works
 
     def complete(self, handle: Any) -> None:
@@ -232,7 +247,7 @@ class PowerSGDCompression(_ByteCounter):
         return (n, m, r) if n * m >= self.min_compression_rate * (n + m) * r else None
 
     def launch(self, key: int, flat: torch.Tensor, views: list[torch.Tensor],
-               group: dist.ProcessGroup | None) -> Any:
+               group: dist.ProcessGroup | None, count: CountBytes | None = None) -> Any:
         matrices, others = [], []
         for position, view in enumerate(views):
             shape = self.matrix_shape(view)
@@ -262,10 +277,11 @@ class PowerSGDCompression(_ByteCounter):
         trace.record_async(works[1], f"all-reduce bucket {key} (uncompressed part)")
         q_elements = sum(matrix.shape[1] * r for _, matrix, r in matrices)
         self._count((p_flat.numel() + q_elements + rest.numel()) * flat.element_size(), flat)
-        return key, group, matrices, ps, p_flat, others, rest, works
+        _tell(count, "all_reduce", p_flat, rest)
+        return key, group, matrices, ps, p_flat, others, rest, works, count
 
     def complete(self, handle: Any) -> None:
-        key, group, matrices, ps, p_flat, others, rest, works = handle
+        key, group, matrices, ps, p_flat, others, rest, works, count = handle
         world_size = dist.get_world_size(group)
         works[0].wait()
         for p in ps:
@@ -277,6 +293,7 @@ class PowerSGDCompression(_ByteCounter):
             torch.matmul(matrix.t(), p, out=q)  # Q = M^T P: summed over ranks, (sum M)^T P
             qs.append(q)
             offset += q.numel()
+        _tell(count, "all_reduce", q_flat)
         with trace.span(f"all-reduce Q bucket {key} (PowerSGD)", "comm"):
             dist.all_reduce(q_flat, group=group)
         q_flat.div_(world_size)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR, StepLR
 
-from labkit.schedules import global_batch_size, lr_factor, lr_schedule, scaled_lr, warmup_then_decay
+from labkit.lr import global_batch_size, lr_factor, lr_schedule, scaled_lr, warmup_then_decay
 
 
 def _optimizer(lr: float = 0.8, groups: int = 1) -> torch.optim.Optimizer:

@@ -10,7 +10,8 @@ Lesson 00 starts here, with the two reasons training is distributed at all:
   its peak only in part: the *model FLOPs utilisation* (MFU) of good large-scale runs is 35-55 %.
 
 So ``time = 6 N D / (GPUs x peak x MFU)`` — and the rest of the course is about keeping MFU high while the
-GPUs count grows.  (The step-time model and the 3D planner join this module in later lessons.)
+GPUs count grows.  (``labkit.costmodel.memory`` has the full memory model, ``labkit.costmodel.step`` the
+time of one step.)
 """
 
 from __future__ import annotations
@@ -63,52 +64,3 @@ def model_state_bytes(parameters: float, bytes_per_parameter: float = BYTES_PER_
     if parameters <= 0:
         raise ValueError(f"parameters must be positive, got {parameters!r}")
     return parameters * bytes_per_parameter
-
-
-# --------------------------------------------------------------------------------------------------------
-# Lesson 02: a data-parallel step
-
-
-@dataclass(frozen=True)
-class DataParallelStep:
-    """Predicted timeline of one data-parallel step (seconds)."""
-
-    forward_s: float
-    backward_s: float
-    communication_s: float  # total all-reduce time, overlapped or not
-    exposed_communication_s: float  # the part nobody hid behind backward
-    optimizer_s: float
-
-    @property
-    def step_s(self) -> float:
-        return self.forward_s + self.backward_s + self.exposed_communication_s + self.optimizer_s
-
-
-def ddp_step_time(forward_s: float, backward_s: float, optimizer_s: float, bucket_bytes: list[int],
-                  world_size: int, link, overlap: bool = True) -> DataParallelStep:
-    """Predict a DDP step: compute, then the bucket all-reduces, overlapped with backward or not.
-
-    Buckets are filled in backward order, so bucket ``k`` of ``B`` (equal-sized here for simplicity) is ready
-    after ``(k+1)/B`` of the backward pass.  With ``overlap`` its ring all-reduce (``link``: a
-    ``labkit.collectives.LinkModel``) starts when it is ready *and* the previous one has finished (one network);
-    without, they all start after backward.  What is left after backward ends is *exposed* communication:
-
-        step = forward + backward + exposed communication + optimizer
-
-    Two consequences the lesson measures: communication that takes longer than backward can never be hidden,
-    and the last bucket never overlaps anything — so smaller buckets hide more, until ``alpha`` per bucket bites.
-    """
-    from labkit import collectives  # the alpha-beta model of one all-reduce
-
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
-    if min(forward_s, backward_s, optimizer_s) < 0:
-        raise ValueError("forward_s, backward_s and optimizer_s must be >= 0")
-    costs = [collectives.ring_all_reduce_cost(int(size) - int(size) % 4, world_size, link).time_s
-             for size in bucket_bytes] if world_size > 1 else [0.0] * len(bucket_bytes)
-    finished = 0.0
-    for index, cost in enumerate(costs):
-        ready = backward_s * (index + 1) / len(costs) if overlap else backward_s
-        finished = max(finished, ready) + cost
-    exposed = max(0.0, finished - backward_s) if costs else 0.0
-    return DataParallelStep(forward_s, backward_s, sum(costs), exposed, optimizer_s)

@@ -1,4 +1,4 @@
-"""DistributedDataParallel from scratch: broadcast, gradient hooks, buckets, overlap, ``no_sync``.
+"""DistributedDataParallel from scratch: broadcast, gradient hooks, buckets, overlap, deferred reduction.
 
 **Data parallelism.**  Every rank holds a full replica of the model and takes a different slice of the global
 batch.  After the backward pass each rank's gradient is replaced by the mean over ranks (an *all-reduce*), so
@@ -9,8 +9,9 @@ not carry over is anything computed *across* a batch inside the model: BatchNorm
 with that slice's statistics (``torch.nn.SyncBatchNorm`` all-reduces them instead).
 
 **Cost.**  A model with ``Psi`` trainable parameters of ``b`` bytes all-reduces ``n = Psi * b`` bytes per step
-(``bytes_per_step``); a ring all-reduce puts ``2 (N-1)/N * n`` bytes on each rank's link in ``2 (N-1)``
-messages (``labkit.collectives``).  Memory: one extra gradient-sized buffer (the buckets below).
+(``predicted_communication()``, held against the measured ``communication_per_step()``); a ring all-reduce puts
+``2 (N-1)/N * n`` bytes on each rank's link in ``2 (N-1)`` messages (``labkit.collectives``).  Memory: one extra
+gradient-sized buffer (the buckets below).
 
 **Buckets** (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020).
 One all-reduce per parameter pays the per-message latency ``alpha`` once per tensor (a transformer has
@@ -38,35 +39,50 @@ all-reduce, on the critical path.  (Measured on TinyGPT 10m, 2 gloo ranks with o
 CPU per step: the DDP's own work on the main thread fell from ~14 to ~10 ms per step, PyTorch's figure,
 against copying a whole bucket when it is launched and dividing after the all-reduce;
 ``benchmarks/bench_ddp.py``.)  With ``compression`` the sums are copied undivided: each compressor takes
-the mean its own way.  After the all-reduce the mean is copied back into ``.grad``.  PyTorch's
-``gradient_as_bucket_view=True`` instead makes each ``.grad`` a view into the bucket, saving one
-gradient-sized buffer, both copies and, when ``zero_grad`` sets ``.grad`` to ``None``, the fresh allocation
-of every gradient (~15 ms of main-thread CPU in that step), at the price of re-pointing ``.grad`` whenever
-an optimizer sets it to ``None``; the copies keep this module simple and ``.grad`` ordinary.
+the mean its own way, and ``communication_per_step()`` counts what it really put into its collectives.  After
+the all-reduce the mean is copied back into ``.grad``.  PyTorch's ``gradient_as_bucket_view=True`` instead
+makes each ``.grad`` a view into the bucket, saving one gradient-sized buffer, both copies and, when
+``zero_grad`` sets ``.grad`` to ``None``, the fresh allocation of every gradient (~15 ms of main-thread CPU in
+that step), at the price of re-pointing ``.grad`` whenever an optimizer sets it to ``None``; the copies keep
+this module simple and ``.grad`` ordinary.
 
 **Parameters that get no gradient** in a backward pass (a branch not taken on this rank) would leave their
 bucket waiting for ever.  At the end of backward such a parameter contributes its current local ``.grad``
-(zeros if it has none; its accumulated value after ``no_sync`` micro-batches), so every rank still all-reduces
-every bucket and nothing deadlocks; ``unused_parameters`` lists them for the last pass.  A parameter no rank
-used therefore ends with a zero ``.grad`` where PyTorch (``find_unused_parameters=True``, which pays an extra
-all-reduce of a usage bitmap) leaves it ``None``: the same for plain SGD, not for weight decay or Adam.
+(zeros if it has none; its accumulated value after unsynchronised micro-batches), so every rank still
+all-reduces every bucket and nothing deadlocks; ``unused_parameters`` lists them for the last synchronised
+pass.  A parameter no rank used therefore ends with a zero ``.grad`` where PyTorch
+(``find_unused_parameters=True``, which pays an extra all-reduce of a usage bitmap) leaves it ``None``: the
+same for plain SGD, not for weight decay or Adam.
 
-**Gradient accumulation.**  Inside ``with ddp.no_sync():`` the hooks do nothing and autograd accumulates into
-``.grad`` locally; the next synchronised backward all-reduces the accumulated sums.  As in PyTorch, the
-forward pass decides: a backward is synchronised when its forward ran outside ``no_sync``.
+**Deferred reduction: gradient accumulation and pipeline schedules.**  ``set_requires_gradient_sync(False)``
+(or the block ``with ddp.no_sync():``) makes the hooks do nothing: autograd accumulates into ``.grad``
+locally.  Then either a backward pass with sync back on all-reduces the accumulated sums (gradient
+accumulation: ``m - 1`` micro-batches unsynchronised, the last one synchronised), or :meth:`reduce_gradients`
+all-reduces every bucket from the current ``.grad`` explicitly, launched in bucket order, and leaves the mean
+there.  The flag is read *when the backward pass runs*, not when the forward did (PyTorch's DDP decides in
+the forward), so a pipeline schedule may run ``m`` forwards, then ``m`` backwards with sync off, in any
+interleaving, then one ``reduce_gradients()``: the gradient of the whole batch, as one process would have it,
+for one all-reduce of every bucket per step.  (FSDP2's ``set_requires_gradient_sync`` decides the same way.)
+``reduce_gradients`` is a collective: every rank calls it, once per step.
 
 **At construction** rank 0's parameters and buffers are broadcast to every rank (one
 ``torch.distributed.broadcast`` per dtype, of the tensors flattened together, after checking that every rank
 holds the same parameter names, shapes and dtypes).  The built-in broadcast is used rather than
 ``labkit.collectives.broadcast``: it is one call, and faster on gloo.  Like PyTorch's default
 (``broadcast_buffers=True``), buffers such as BatchNorm's running statistics are broadcast from rank 0 again
-at the start of every synchronised forward pass with autograd on: not under ``no_grad`` (so evaluating on
-rank 0 alone does not hang) and not inside ``no_sync`` (which communicates nothing).  PyTorch decides by the
-*previous* forward instead, so within a ``no_sync`` cycle it broadcasts before the first micro-batch rather
-than the last.
+at the start of every forward pass run with autograd on while gradient sync is on: not under ``no_grad`` (so
+evaluating on rank 0 alone does not hang) and not while sync is off (which communicates nothing).  A
+gradient-accumulation step with its last micro-batch synchronised thus broadcasts once per step; a pipeline
+schedule that runs its forwards with sync on broadcasts at each of them (the bytes show under
+``"broadcast"``), and one that runs them with sync off never does, so its buffers stay per rank.  PyTorch
+decides by the *previous* forward instead, so within a ``no_sync`` cycle it broadcasts before the first
+micro-batch rather than the last.
 
-``state_dict()`` and ``load_state_dict()`` are the wrapped module's, *without* PyTorch's ``module.`` prefix,
-so a checkpoint loads into the plain model and back.  ``parameters()`` are the module's tensors.
+**The contract** (``labkit.parallel.base.ParallelWrapper``): ``state_dict()`` and ``load_state_dict()`` are the
+wrapped module's, *without* PyTorch's ``module.`` prefix, so a checkpoint loads into the plain model and back;
+every rank holds the whole model, so ``full_state_dict()`` is the same dictionary and needs no communication;
+``gradients()`` are the module's ``.grad`` (the full mean, once reduced) and ``clip_grad_norm_`` clips them as
+``torch.nn.utils.clip_grad_norm_`` would on one process.  ``parameters()`` are the module's tensors.
 
 Differences from PyTorch's DDP worth knowing: PyTorch's first bucket is capped at 1 MiB (so communication
 starts sooner), its buckets may exceed the cap by one tensor, and after the first step it rebuilds buckets in
@@ -76,9 +92,6 @@ the order gradients actually arrived.
 from __future__ import annotations
 
 import math
-import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -88,7 +101,13 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit import trace
-from labkit.compression import GradientCompression
+from labkit.parallel.base import (
+    ParallelWrapper,
+    broadcast_from_first_rank,
+    check_same_model,
+    queue_end_of_backward,
+)
+from labkit.parallel.compression import GradientCompression
 
 MiB = 1024 * 1024
 
@@ -133,39 +152,40 @@ def assign_buckets(parameters: list[tuple[str, torch.Tensor]], bucket_cap_bytes:
     return buckets
 
 
-class DistributedDataParallel(nn.Module):
-    """Wrap ``module`` so that every backward pass leaves the mean gradient over ranks in ``.grad``.
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class DistributedDataParallel(ParallelWrapper):
+    """Wrap ``module`` so that every synchronised backward pass leaves the mean gradient over ranks in ``.grad``.
 
     Args:
-        module: the model (the same architecture on every rank; rank 0's values win).
+        module: the model (the same architecture on every rank; the group's first rank's values win).
         bucket_cap_mb: bucket size in MiB; 0 gives one all-reduce per parameter.
         overlap: launch each bucket's all-reduce during backward (True) or all of them after it (False).
-        group: the process group to average over (default: every rank).
-        compression: None (plain all-reduce) or an object from ``labkit.compression``.
-        broadcast_buffers: broadcast rank 0's buffers before every synchronised forward pass with autograd on.
+        group: the ranks to average over: ``None`` (every rank), a ``ProcessGroup``, or one dimension of a
+            ``labkit.mesh.Mesh`` (``mesh.group("dp")``).
+        compression: None (plain all-reduce) or an object from ``labkit.parallel.compression``.
+        broadcast_buffers: broadcast the first rank's buffers before every forward pass run with autograd on
+            while gradient sync is on.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, overlap: bool = True,
-                 group: dist.ProcessGroup | None = None, compression: GradientCompression | None = None,
+                 group: Any = None, compression: GradientCompression | None = None,
                  broadcast_buffers: bool = True):
-        super().__init__()
-        _check_arguments(module, bucket_cap_mb, overlap, group, compression, broadcast_buffers)
-        self.module = module
+        _check_arguments(bucket_cap_mb, overlap, compression, broadcast_buffers)  # before any communication
+        super().__init__(module, group)
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.overlap = overlap
-        self.group = group
         self.compression = compression
         self.broadcast_buffers = broadcast_buffers
-        self.world_size = dist.get_world_size(group)
-        self.source_rank = 0 if group is None else dist.get_global_rank(group, 0)
 
         trainable = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         if not trainable:
             raise ValueError("module has no parameter that requires a gradient: there is nothing to average")
-        _check_same_model_everywhere(module, group)
+        check_same_model(list(module.named_parameters()) + list(module.named_buffers()), self.group)
         self._module_buffers = list(module.buffers())
-        with torch.no_grad():
-            _broadcast_coalesced(list(module.parameters()) + self._module_buffers, self.source_rank, group)
+        broadcast_from_first_rank(list(module.parameters()) + self._module_buffers, self.group)
 
         self._buckets: list[_Bucket] = []
         for index, positions in enumerate(assign_buckets(trainable, int(self.bucket_cap_mb * MiB))):
@@ -183,10 +203,8 @@ class DistributedDataParallel(nn.Module):
             param.register_post_accumulate_grad_hook(partial(self._on_gradient_ready, bucket, position))
             for bucket in self._buckets for position, param in enumerate(bucket.parameters)]
 
-        self.require_gradient_sync = True  # False inside no_sync()
         self.unused_parameters: list[str] = []  # got no gradient in the last synchronised pass
-        self._sync_this_backward = True  # decided by the forward pass
-        self._pass_started = False  # a hook has fired since the last synchronisation
+        self._pass_started = False  # a hook of a synchronised backward has fired since the last reduction
         self._next_bucket = 0  # buckets before this one have been launched
         self._compute_since: float | None = None  # trace: start of the backward computation not yet recorded
 
@@ -194,27 +212,31 @@ class DistributedDataParallel(nn.Module):
     # Forward, and the facts a lesson shows
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._start_forward()
         if self.broadcast_buffers and self._module_buffers and torch.is_grad_enabled() \
                 and self.require_gradient_sync:
-            with torch.no_grad():
-                _broadcast_coalesced(self._module_buffers, self.source_rank, self.group)
-        self._sync_this_backward = self.require_gradient_sync
+            broadcast_from_first_rank(self._module_buffers, self.group)
+            for buffer in self._module_buffers:
+                self._count("broadcast", buffer)
         output = self.module(*inputs, **kwargs)
-        if trace.is_enabled() and self._sync_this_backward and isinstance(output, torch.Tensor) \
-                and output.requires_grad:
+        if trace.is_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._backward_reached_output)
         return output
 
     @property
     def buckets(self) -> list[list[tuple[str, int]]]:
         """Per bucket, in launch order: ``(parameter name, gradient bytes)`` for each of its parameters."""
-        return [[(name, view.numel() * view.element_size())
-                 for name, view in zip(bucket.names, bucket.views, strict=True)] for bucket in self._buckets]
+        return [[(name, _nbytes(view)) for name, view in zip(bucket.names, bucket.views, strict=True)]
+                for bucket in self._buckets]
 
-    @property
-    def bytes_per_step(self) -> int:
-        """Gradient bytes that enter all-reduces per synchronised step (before any compression)."""
-        return sum(bucket.buffer.numel() * bucket.buffer.element_size() for bucket in self._buckets)
+    def predicted_communication(self) -> dict[str, int]:
+        """Bytes entering collectives per step without compression: every trainable parameter's gradient once
+        (``"all_reduce"``), and with ``broadcast_buffers`` the buffers once (``"broadcast"``: one synchronised
+        forward with autograd on per step)."""
+        predicted = {"all_reduce": sum(_nbytes(bucket.buffer) for bucket in self._buckets)}
+        if self.broadcast_buffers and self._module_buffers:
+            predicted["broadcast"] = sum(_nbytes(buffer) for buffer in self._module_buffers)
+        return predicted
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.module.state_dict(*args, **kwargs)
@@ -222,28 +244,23 @@ class DistributedDataParallel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: a backward whose forward ran in the block communicates nothing."""
-        previous = self.require_gradient_sync
-        self.require_gradient_sync = False
-        try:
-            yield
-        finally:
-            self.require_gradient_sync = previous
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict()``: every rank holds the whole model, so nothing is communicated."""
+        return self.module.state_dict()
 
     # ----------------------------------------------------------------------------------------------------
     # During backward
 
     def _backward_reached_output(self, grad: torch.Tensor) -> None:
-        self._compute_since = trace.now()
+        if self.require_gradient_sync:
+            self._compute_since = trace.now()
 
     def _on_gradient_ready(self, bucket: _Bucket, position: int, param: torch.Tensor) -> None:
-        if not self._sync_this_backward:
-            return  # no_sync: autograd has accumulated into param.grad, which is all we want
+        if not self.require_gradient_sync:
+            return  # sync off: autograd has accumulated into param.grad, which is all we want
         if not self._pass_started:
             self._pass_started = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+            queue_end_of_backward(self.finish_gradient_synchronization)
             if self._compute_since is None:
                 self._compute_since = trace.now()
         if bucket.ready[position]:
@@ -279,13 +296,15 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: _Bucket) -> None:
         for position, ready in enumerate(bucket.ready):
-            if not ready:  # unused in this pass: its current local gradient (or zeros) stands in
+            if not ready:  # unused in this pass (or no pass: reduce_gradients): its current local gradient
                 self._copy_into_bucket(bucket, position)
         if self.compression is None:
+            self._count("all_reduce", bucket.buffer)
             bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             trace.record_async(bucket.handle, f"all-reduce bucket {bucket.index}")
         else:
-            bucket.handle = self.compression.launch(bucket.index, bucket.buffer, bucket.views, self.group)
+            bucket.handle = self.compression.launch(bucket.index, bucket.buffer, bucket.views, self.group,
+                                                    count=self._count)
 
     # ----------------------------------------------------------------------------------------------------
     # After backward
@@ -301,6 +320,20 @@ class DistributedDataParallel(nn.Module):
         self.unused_parameters = [name for bucket in self._buckets
                                   for name, ready in zip(bucket.names, bucket.ready, strict=True)
                                   if not ready]
+        self._reduce_remaining_buckets()
+
+    def reduce_gradients(self) -> None:
+        """All-reduce every bucket from the current ``.grad`` (launched in bucket order) and leave the mean in
+        ``.grad``: the reduction that backward passes with sync off skipped.  A collective: every rank calls it.
+
+        A parameter without ``.grad`` contributes zeros and ends with the mean of the others' gradients.
+        """
+        if self._pass_started:
+            raise RuntimeError("reduce_gradients() was called while a synchronised backward pass was still "
+                               "reducing; call it after backward passes run with set_requires_gradient_sync(False)")
+        self._reduce_remaining_buckets()
+
+    def _reduce_remaining_buckets(self) -> None:
         try:
             for bucket in self._buckets[self._next_bucket:]:
                 self._launch(bucket)
@@ -312,6 +345,7 @@ class DistributedDataParallel(nn.Module):
             self._next_bucket = 0
             for bucket in self._buckets:
                 bucket.reset()
+        self._reduction_done()
 
     def _complete(self, bucket: _Bucket) -> None:
         if self.compression is None:
@@ -329,10 +363,8 @@ class DistributedDataParallel(nn.Module):
 # Construction helpers
 
 
-def _check_arguments(module: Any, bucket_cap_mb: Any, overlap: Any, group: Any, compression: Any,
-                     broadcast_buffers: Any) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}: {module!r:.80}")
+def _check_arguments(bucket_cap_mb: Any, overlap: Any, compression: Any, broadcast_buffers: Any) -> None:
+    """The arguments only this wrapper takes (the base class checks ``module`` and ``group``)."""
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
         raise TypeError(f"bucket_cap_mb must be a number of MiB, got {type(bucket_cap_mb).__name__} "
                         f"{bucket_cap_mb!r}")
@@ -345,41 +377,4 @@ def _check_arguments(module: Any, bucket_cap_mb: Any, overlap: Any, group: Any, 
     if compression is not None and not (callable(getattr(compression, "launch", None))
                                         and callable(getattr(compression, "complete", None))):
         raise TypeError(f"compression must be None or have launch() and complete() methods (see "
-                        f"labkit.compression), got {compression!r:.80}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("no process group is initialised: run this inside labkit.launch.launch(fn, "
-                           "nprocs=N) or call torch.distributed.init_process_group first")
-    if group is not None and dist.get_rank(group) < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group {group!r}")
-
-
-def _check_same_model_everywhere(module: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Compare a checksum of every parameter's and buffer's name, shape, dtype and requires_grad across ranks.
-
-    Different models would otherwise make the broadcasts and bucket all-reduces below mismatch or hang.
-    """
-    tensors = list(module.named_parameters()) + list(module.named_buffers())
-    description = repr([(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in tensors])
-    mine = torch.tensor([zlib.crc32(description.encode())], dtype=torch.int64, device=tensors[0][1].device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    checksums = [int(t) for t in everyone]
-    if len(set(checksums)) > 1:
-        differ = [rank for rank, checksum in enumerate(checksums) if checksum != checksums[0]]
-        raise ValueError(f"ranks {differ} hold a model whose parameter/buffer names, shapes, dtypes or "
-                         "requires_grad differ from rank 0's; every rank must wrap the same architecture")
-
-
-def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup | None) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s values: one broadcast per (dtype, device) of the tensors
-    flattened together, rather than one small message each."""
-    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for same_kind in kinds.values():
-        flat = torch.cat([tensor.detach().reshape(-1) for tensor in same_kind])
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        for tensor in same_kind:
-            tensor.detach().copy_(flat[offset:offset + tensor.numel()].view(tensor.shape))
-            offset += tensor.numel()
+                        f"labkit.parallel.compression), got {compression!r:.80}")

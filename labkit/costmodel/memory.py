@@ -1,4 +1,4 @@
-"""Where the memory of training goes: the analytical model, and measurements to hold it to.
+"""Where the memory of training goes: the analytical model (``labkit.measure`` measures what it predicts).
 
 **Model states** are what lives for the whole run, per parameter (``Psi`` parameters in all):
 
@@ -11,31 +11,15 @@ So Adam in fp32 holds ``4 + 4 + 8 = 16`` bytes per parameter and mixed-precision
 (:func:`bytes_per_parameter`; ZeRO, Rajbhandari et al. 2020, writes ``2 Psi + 2 Psi + K Psi`` with
 ``K = 12``).  A 1.5B-parameter GPT-2 thus needs 24 GB before the first activation.  Adam also keeps a
 one-element ``step`` counter per parameter *tensor* (4 bytes each): :func:`model_state_bytes` reports those
-apart, as ``optimizer_other``, because the per-parameter model ignores them.
+apart (``labkit.measure.model_state_bytes``), as ``optimizer_other``, because the per-parameter model ignores them.
 
 **Activations** are the tensors the forward pass saves for the backward pass (inputs of matrix
 multiplications, attention probabilities, normalisation statistics, ...).  They grow with batch size ``b``,
 sequence length ``s`` and depth, not with ``Psi``: Korthikanti et al. ("Reducing Activation Recomputation in
 Large Transformer Models", 2022) count ``s b h (34 + 5 a s / h)`` bytes per transformer layer at 16 bits
 (``h`` hidden size, ``a`` heads; the ``5 a s / h`` term is the attention matrix, which fused attention kernels
-do not store).  :class:`ActivationMeter` measures them instead of trusting a formula: a
-``torch.autograd.graph.saved_tensors_hooks`` pair sees every tensor autograd saves, and the meter adds up the
-storages behind them once each (a view shares its base's storage; the parameters, also saved by every
-linear layer, are model states and are left out).  Under autocast the 16-bit copies of the weights that the
-matrix multiplications save *are* counted: they are extra memory that exists only for the backward pass.
-
-**Activation checkpointing** (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016) keeps only
-each checkpointed block's *input* (``s b h`` values) and re-runs the block's forward during the backward pass
-to rebuild the rest, one block at a time.  For ``L`` blocks with ``A`` bytes of activations each,
-checkpointing all of them cuts ``L A`` to about ``L s b h x bytes + A``, at the price of a second forward
-through them: about a third more compute, since a backward costs about two forwards.
-:func:`checkpoint_blocks` applies it to the first ``count`` blocks (``torch.utils.checkpoint`` with
-``use_reentrant=False``); recomputation is deterministic, so the gradients are the same bit for bit.
-
-**Counting storage, not tensors.**  :func:`storage_bytes` counts each ``untyped_storage()`` once, by address,
-so a tied weight, a view, or a parameter that is also an optimizer's parameter is not counted twice.  It is
-what the tensors *hold*; allocator caching and fragmentation, which ``torch.cuda.memory_allocated`` and
-``max_memory_reserved`` show on a GPU, come on top.
+do not store).  ``labkit.measure.ActivationMeter`` measures them instead of trusting a formula, and
+``labkit.recompute`` trades them for a second forward pass.
 
 **Per rank, under data, tensor and pipeline parallelism** (:func:`memory_per_rank`).  Tensor and pipeline
 parallelism split the parameters themselves: each rank holds ``Psi / (t p)`` of them (evenly, the model
@@ -107,20 +91,14 @@ training it falls back to the math path, which stores the softmax output, its dr
 output, ``12 a s^2 b``, and CPU dropout keeps a 4-byte float mask (``4 sbh`` twice per block; CUDA's fused
 dropout keeps a 1-byte mask).  The embedding and the loss add token and position ids (int64), the final norm's
 input and statistics, the head's input and, with targets, the log-softmax output ``4 s b V``, the targets and
-one scalar.  The prediction equals what :class:`ActivationMeter` measures exactly."""
+one scalar.  The prediction equals what ``labkit.measure.ActivationMeter`` measures exactly."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from labkit.models import GPTConfig
 
@@ -398,156 +376,3 @@ def tinygpt_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | 
     if with_loss:
         outside += 4 * s * b * config.vocab_size + 8 * b * s + 4  # log-softmax output, targets, total weight
     return checkpointed * block_input + (config.n_layer - checkpointed) * block + outside
-
-
-# --------------------------------------------------------------------------------------------------------
-# Measuring
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
-    """Bytes held by the storages behind ``tensors``, each storage counted once.
-
-    ``seen`` (storage addresses) is updated, so consecutive calls sharing it never count a storage twice.
-    """
-    seen = set() if seen is None else seen
-    total = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.nbytes() == 0 or storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
-
-
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Measured bytes of ``weights`` (the model's parameters), ``gradients`` (every ``.grad``, the
-    optimizer's parameters' included), ``optimizer_states`` (state tensors shaped like their parameter, and
-    the optimizer's parameters when they are not the model's: fp32 master copies) and ``optimizer_other`` (any
-    other state tensor, e.g. Adam's ``step`` counters)."""
-    seen: set[int] = set()
-    parameters = list(model.parameters())
-    optimizer_parameters = [] if optimizer is None else [
-        parameter for group in optimizer.param_groups for parameter in group["params"]]
-    weights = storage_bytes(parameters, seen)
-    gradients = storage_bytes((p.grad for p in parameters + optimizer_parameters if p.grad is not None), seen)
-    states = storage_bytes(optimizer_parameters, seen)  # masters (the model's own were counted above)
-    other = 0
-    for parameter in optimizer_parameters:
-        for value in (optimizer.state.get(parameter, {}).values() if optimizer is not None else ()):
-            if isinstance(value, torch.Tensor):
-                if value.shape == parameter.shape:
-                    states += storage_bytes([value], seen)
-                else:
-                    other += storage_bytes([value], seen)
-    return {"weights": weights, "gradients": gradients, "optimizer_states": states, "optimizer_other": other}
-
-
-class ActivationMeter:
-    """Counts the bytes autograd saves for backward while the ``with`` block runs::
-
-        with ActivationMeter(exclude=model.parameters()) as meter:
-            loss = model(x, y)[1]
-        meter.bytes   # activations held until loss.backward()
-
-    ``exclude``: tensors not to count (the parameters: model states, not activations).  Only the forward
-    pass should run inside the block.
-    """
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
-        self._storages: dict[int, int] = {}  # storage address -> bytes
-        self._hooks: Any = None
-
-    @property
-    def bytes(self) -> int:
-        return sum(self._storages.values())
-
-    @property
-    def count(self) -> int:
-        """How many distinct storages were saved."""
-        return len(self._storages)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self._excluded:
-            self._storages[storage.data_ptr()] = storage.nbytes()
-        return tensor  # saved as usual: the meter only looks
-
-    @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def __enter__(self) -> ActivationMeter:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._hooks.__exit__(*exc_info)
-
-
-def measure_training_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                          loss_fn: Callable[[], torch.Tensor]) -> dict[str, int]:
-    """Run one step (``loss_fn()`` under an :class:`ActivationMeter`, backward, ``optimizer.step()``) and
-    return the bytes measured in each of :func:`memory_per_rank`'s categories, plus ``optimizer_other``
-    (:func:`model_state_bytes`).  The gradients are left in place, as they are held until the next step."""
-    with ActivationMeter(exclude=model.parameters()) as meter:
-        loss = loss_fn()
-    loss.backward()
-    optimizer.step()
-    measured = model_state_bytes(model, optimizer)
-    measured["activations"] = meter.bytes
-    measured["total"] = sum(measured.values())
-    return measured
-
-
-def measure_cuda_memory(fn: Callable[[], Any],
-                        device: torch.device | str | int | None = None) -> dict[str, int] | None:
-    """Run ``fn()`` on a CUDA device and return ``torch.cuda`` byte counts: ``before``, ``after``, ``peak``
-    (``max_memory_allocated`` since just before the call), ``retained`` (``after - before``) and
-    ``peak_increase`` (``peak - before``).  ``fn``'s return value is kept until ``after`` is read, so a
-    forward pass that returns its loss is measured with its activations.
-
-    ``None``, without calling ``fn``, when CUDA is unavailable or ``device`` is not a CUDA device.
-    """
-    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
-        return None
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    result = fn()
-    torch.cuda.synchronize(device)
-    after, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
-    del result
-    return {"before": before, "after": after, "peak": peak, "retained": after - before,
-            "peak_increase": peak - before}
-
-
-# --------------------------------------------------------------------------------------------------------
-# Activation checkpointing
-
-
-def checkpoint_blocks(blocks: Sequence[nn.Module], count: int) -> None:
-    """Make the first ``count`` of ``blocks`` (e.g. ``TinyGPT.blocks``) recompute their activations during
-    backward; the others save them as usual.  ``count=0`` turns checkpointing off.
-
-    Each checkpointed block's ``forward`` is replaced, on that instance only, by
-    ``torch.utils.checkpoint.checkpoint(type(block).forward, block, ...)``: parameter names, ``state_dict``
-    and the model's code are unchanged.
-    """
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(blocks):
-        raise ValueError(f"count must be an integer in [0, {len(blocks)}], got {count!r}")
-    for index, block in enumerate(blocks):
-        block.__dict__.pop("forward", None)  # back to the class's forward
-        if index < count:
-            block.forward = functools.partial(checkpoint, type(block).forward, block, use_reentrant=False)
-
-
-def checkpointed_blocks(blocks: Sequence[nn.Module]) -> int:
-    """How many of ``blocks``, from the first, :func:`checkpoint_blocks` has made recompute."""
-    count = 0
-    while count < len(blocks) and "forward" in blocks[count].__dict__:
-        count += 1
-    return count

@@ -1,0 +1,7 @@
+"""Analytical models: what the measurements are held to.  Pure arithmetic, no process groups.
+
+- ``compute``: FLOPs, GPUs, training time and MFU (lesson 00);
+- ``collectives``: the alpha-beta cost of each collective (lesson 01);
+- ``step``: the time of a training step, with overlap (lesson 02);
+- ``memory``: bytes per rank under DP, ZeRO, TP and PP, and transformer activations (lessons 04-05).
+"""

@@ -1,0 +1,176 @@
+"""What a collective costs in the alpha-beta model: seconds, message rounds and bytes sent by each rank.
+
+Sending a message of ``m`` bytes over one link takes ``alpha + m * beta`` seconds: ``alpha`` is the latency
+(start-up cost per message), ``beta`` the inverse bandwidth (seconds per byte).  The algorithms themselves, built
+from send and recv, are in ``labkit.collectives``, whose docstring derives each formula below; the measurement
+that fits ``alpha`` and ``beta`` on a real machine is ``labkit.measure.measure_alpha_beta``.  Everything here is
+pure arithmetic: no process group, no tensors.
+
+=====================  ==================  ===============================  ==========================
+collective             message rounds      bytes each rank sends            time
+=====================  ==================  ===============================  ==========================
+ring reduce-scatter    ``N-1``             ``(N-1)/N n``                    ``(N-1)(alpha + n/N beta)``
+ring all-gather        ``N-1``             ``(N-1)/N n``                    ``(N-1)(alpha + n/N beta)``
+ring all-reduce        ``2(N-1)``          ``2(N-1)/N n``                   sum of the two
+parameter server       ``2(N-1)``          root ``(N-1) n``, others ``n``   ``2(N-1)(alpha + n beta)``
+tree broadcast         ``ceil(log2 N)``    root ``R n``, leaves 0           ``R (alpha + n beta)``
+tree all-reduce        ``2 ceil(log2 N)``  up ``n``, then the broadcast     twice the broadcast
+=====================  ==================  ===============================  ==========================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each rank's chunk of ``numel`` elements: contiguous, in rank order, sizes differing
+    by at most one — the first ``numel % world_size`` chunks take one extra element.  Chunks may be empty."""
+    if numel < 0 or world_size < 1:
+        raise ValueError(f"need numel >= 0 and world_size >= 1, got numel={numel}, world_size={world_size}")
+    base, extra = divmod(numel, world_size)
+    starts = [rank * base + min(rank, extra) for rank in range(world_size + 1)]
+    return [(starts[rank], starts[rank + 1]) for rank in range(world_size)]
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """One link: a message of ``m`` bytes takes ``alpha_s + m * beta_s_per_byte`` seconds.
+
+    The defaults (20 us, 1 GB/s) are only a plausible start; :func:`labkit.measure.measure_alpha_beta` fits the real ones."""
+
+    alpha_s: float = 20e-6
+    beta_s_per_byte: float = 1 / 1e9
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        return 1.0 / self.beta_s_per_byte
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """What a collective costs: predicted seconds, message rounds, and bytes sent by each rank (index = rank)."""
+
+    time_s: float
+    steps: int
+    bytes_sent: list[int]
+
+
+def _chunk_bytes(nbytes: int, world_size: int, element_size: int) -> list[int]:
+    if nbytes % element_size:
+        raise ValueError(f"nbytes={nbytes} is not a whole number of {element_size}-byte elements")
+    return [(stop - start) * element_size for start, stop in chunk_bounds(nbytes // element_size, world_size)]
+
+
+def ring_reduce_scatter_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel(),
+                             element_size: int = 4) -> CollectiveCost:
+    """Ring reduce-scatter of an ``nbytes`` tensor: ``N-1`` steps of one chunk each, ``(N-1)/N * n`` bytes per
+    rank, time ``(N-1) (alpha + n/N beta)``.  Exactly: rank ``r`` sends every chunk but its own."""
+    chunks = _chunk_bytes(nbytes, world_size, element_size)
+    sent = [nbytes - chunks[rank] for rank in range(world_size)] if world_size > 1 else [0]
+    steps = world_size - 1
+    return CollectiveCost(steps * (link.alpha_s + max(chunks) * link.beta_s_per_byte), steps, sent)
+
+
+def ring_all_gather_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel(),
+                         element_size: int = 4) -> CollectiveCost:
+    """Ring all-gather into an ``nbytes`` tensor: ``N-1`` steps, ``(N-1)/N * n`` bytes per rank, time
+    ``(N-1) (alpha + n/N beta)``.  Exactly: rank ``r`` sends every chunk but its right neighbour's."""
+    chunks = _chunk_bytes(nbytes, world_size, element_size)
+    sent = [nbytes - chunks[(rank + 1) % world_size] for rank in range(world_size)] if world_size > 1 else [0]
+    steps = world_size - 1
+    return CollectiveCost(steps * (link.alpha_s + max(chunks) * link.beta_s_per_byte), steps, sent)
+
+
+def ring_all_reduce_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel(),
+                         element_size: int = 4) -> CollectiveCost:
+    """Ring all-reduce: reduce-scatter then all-gather.  ``2 (N-1)`` steps, ``2 (N-1)/N * n`` bytes per rank,
+    time ``2 (N-1) alpha + 2 (N-1)/N * n beta`` — the bandwidth term tends to ``2 n beta``, independent of N.
+
+    ``bytes_sent`` is exact, uneven splits included (chunks are whole ``element_size``-byte elements); the time
+    counts each step at the largest chunk and leaves out the time spent adding."""
+    scatter = ring_reduce_scatter_cost(nbytes, world_size, link, element_size)
+    gather = ring_all_gather_cost(nbytes, world_size, link, element_size)
+    return CollectiveCost(scatter.time_s + gather.time_s, scatter.steps + gather.steps,
+                          [a + b for a, b in zip(scatter.bytes_sent, gather.bytes_sent, strict=True)])
+
+
+def naive_all_reduce_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel()) -> CollectiveCost:
+    """Parameter server: the root receives ``(N-1) n`` and sends ``(N-1) n`` bytes, every other rank sends ``n``.
+    Its one link serialises ``2 (N-1)`` messages: time ``2 (N-1) (alpha + n beta)``, linear in N."""
+    if world_size == 1 or nbytes == 0:
+        return CollectiveCost(0.0, 0, [0] * world_size)
+    sent = [(world_size - 1) * nbytes] + [nbytes] * (world_size - 1)
+    steps = 2 * (world_size - 1)
+    return CollectiveCost(steps * (link.alpha_s + nbytes * link.beta_s_per_byte), steps, sent)
+
+
+def tree_broadcast_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel(), src: int = 0) -> CollectiveCost:
+    """Binomial-tree broadcast: ``R = ceil(log2 N)`` rounds of the whole message, time ``R (alpha + n beta)``.
+
+    Counting ranks from the root, in round ``k`` the holders are the multiples of ``2d`` with ``d = 2^(R-1-k)``
+    and each sends one copy ``d`` places on (if that rank exists): the root sends ``R n`` bytes, half the ranks
+    send nothing, and ``(N-1) n`` bytes move in all."""
+    rounds = math.ceil(math.log2(world_size)) if world_size > 1 else 0
+    sent = [0] * world_size
+    for round_number in range(rounds):
+        distance = 1 << (rounds - 1 - round_number)
+        for relative in range(0, world_size, 2 * distance):
+            if relative + distance < world_size and nbytes > 0:
+                sent[(relative + src) % world_size] += nbytes
+    return CollectiveCost(rounds * (link.alpha_s + nbytes * link.beta_s_per_byte) if nbytes else 0.0, rounds, sent)
+
+
+def tree_all_reduce_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel()) -> CollectiveCost:
+    """Binomial-tree all-reduce: reduce to rank 0 (every other rank sends ``n`` once), then a tree broadcast.
+    ``2 ceil(log2 N)`` rounds of the whole message: time ``2 ceil(log2 N) (alpha + n beta)``."""
+    down = tree_broadcast_cost(nbytes, world_size, link, src=0)
+    up = [nbytes if rank > 0 and nbytes > 0 else 0 for rank in range(world_size)]
+    return CollectiveCost(2 * down.time_s, 2 * down.steps, [a + b for a, b in zip(up, down.bytes_sent, strict=True)])
+
+
+_BUS_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def bus_bandwidth(nbytes: int, seconds: float, world_size: int, collective: str = "all_reduce") -> float:
+    """Bus bandwidth in bytes/s, NCCL-tests' convention: ``algbw = nbytes / seconds`` times a factor that makes
+    a bandwidth-optimal algorithm's number equal the link speed (all-reduce ``2 (N-1)/N``, reduce-scatter and
+    all-gather ``(N-1)/N`` with ``nbytes`` the full tensor, broadcast 1)."""
+    if collective not in _BUS_FACTORS:
+        raise ValueError(f"collective must be one of {sorted(_BUS_FACTORS)}, got {collective!r}")
+    if seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds!r}")
+    return nbytes / seconds * _BUS_FACTORS[collective](world_size)
+
+
+def fit_alpha_beta(sizes: list[int] | tuple[int, ...], seconds: list[float]) -> LinkModel:
+    """The alpha-beta line through measured ``(message bytes, seconds)`` points.
+
+    Least squares weighted by ``1/time``, so small messages (which pin down alpha) count as much as large
+    ones (which pin down beta).  Noise can tilt the line: a negative alpha is clipped to 0, and if the slope
+    comes out non-positive (the size dependence drowned in noise — a busy machine) the fit falls back to the
+    two-point estimate ``alpha = fastest time``, ``beta = (largest message's time - alpha) / its size``.
+    """
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError(f"need at least two (size, seconds) points of equal count, got {len(sizes)} and "
+                         f"{len(seconds)}")
+    times = torch.tensor(seconds, dtype=torch.float64)
+    if not bool((times > 0).all()):
+        raise ValueError(f"seconds must all be positive, got {list(seconds)}")
+    weights = 1.0 / times
+    design = torch.stack([torch.ones_like(times), torch.tensor(sizes, dtype=torch.float64)], dim=1)
+    alpha, beta = torch.linalg.lstsq(design * weights[:, None], (times * weights)[:, None]).solution.flatten()
+    alpha, beta = max(float(alpha), 0.0), float(beta)
+    if beta <= 0:
+        largest = max(range(len(sizes)), key=lambda index: sizes[index])
+        alpha = float(times.min())
+        beta = max(float(times[largest]) - alpha, float(times[largest]) * 1e-3) / max(sizes[largest], 1)
+    return LinkModel(alpha_s=alpha, beta_s_per_byte=beta)

@@ -1,0 +1,147 @@
+"""``Mesh(dp=, tp=, pp=)``: the ranks arranged in a 3-D grid, and one process group per dimension.
+
+**3D parallelism** combines three ways of splitting the work.  *Tensor parallelism* (tp) splits every layer's
+matrices over ``tp`` ranks; *pipeline parallelism* (pp) splits the layers into ``pp`` stages; *data
+parallelism* (dp) runs ``dp`` replicas of that split model on different slices of the batch.  Every rank then
+has three coordinates, and the ranks that differ in only one coordinate form that dimension's group: the
+``tp`` ranks holding the pieces of the same layers, the ``pp`` stages of one replica, the ``dp`` replicas of
+the same piece (which average their gradients).  ``dp * tp * pp`` must be the number of ranks.
+
+**The layout.**  Global rank ``r`` sits at ``(pp, dp, tp)`` with ``r = (pp * dp_size + dp) * tp_size + tp``:
+the grid ``arange(world_size).view(pp, dp, tp)``, tp innermost and pp outermost.  On 8 ranks with
+``dp = tp = pp = 2``::
+
+    rank  pp  dp  tp          tp groups: [0, 1] [2, 3] [4, 5] [6, 7]
+       0   0   0   0          dp groups: [0, 2] [1, 3] [4, 6] [5, 7]
+       1   0   0   1          pp groups: [0, 4] [1, 5] [2, 6] [3, 7]
+       2   0   1   0
+       ...
+
+The order follows from what each dimension sends.  **TP** all-reduces activations twice per layer in the
+forward pass and twice in the backward pass, on the critical path, so it needs the fastest links: tp
+innermost makes a TP group neighbouring ranks, which ``torchrun`` places on one node (NVLink; ``tp <= 8``
+with 8 GPUs per node).  **DP** all-reduces (or reduce-scatters) the gradients once per step, overlapped with
+the backward pass.  **PP** only passes one micro-batch's activations point to point across each stage
+boundary: the lightest traffic, which tolerates the slower links between nodes, so pp outermost lets the
+stages span nodes.  This is Megatron-LM's and torchtitan's order; picotron builds the same kind of grid from
+``arange(world_size).view(dp, pp, tp)`` (tp innermost too, but dp outermost).
+
+**Built on torch's DeviceMesh** (``init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp",
+"tp"))``), so that torch's own tensor parallelism (``parallelize_module``) and ``torch.distributed.pipelining``
+can run on the very same groups in the parity tests; ``device_mesh`` is that object.  Making the groups is a
+collective: every rank of the default process group constructs the same ``Mesh``, in the same order.  Each
+group costs a communicator per rank (under NCCL, its own buffers on the GPU).  The layout itself is pure
+arithmetic (:func:`mesh_coordinates`, :func:`mesh_groups`, :func:`describe_layout`), available without any
+process group, e.g. to draw it in a notebook.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as torch_dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from labkit.dist import backend, device, require_group
+
+DIMS = ("pp", "dp", "tp")  # the grid's axes, outermost first
+
+
+def _check_degrees(dp: object, tp: object, pp: object) -> dict[str, int]:
+    degrees = {"pp": pp, "dp": dp, "tp": tp}
+    for name, value in degrees.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1 (the number of ranks along that dimension), "
+                             f"got {value!r}")
+    return degrees  # type: ignore[return-value]
+
+
+def _check_world_size(world_size: int, degrees: dict[str, int]) -> None:
+    product = degrees["dp"] * degrees["tp"] * degrees["pp"]
+    if product != world_size:
+        raise ValueError(f"dp * tp * pp must equal the number of ranks: dp={degrees['dp']} * tp={degrees['tp']} "
+                         f"* pp={degrees['pp']} = {product}, but the world size is {world_size}")
+
+
+def mesh_coordinates(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1) -> list[dict[str, int]]:
+    """Every rank's coordinates, index = global rank: ``[{"pp": 0, "dp": 0, "tp": 0}, ...]`` (no process group).
+
+    Raises ``ValueError`` naming the sizes when ``dp * tp * pp != world_size`` or a degree is not a positive
+    integer.
+    """
+    degrees = _check_degrees(dp, tp, pp)
+    _check_world_size(world_size, degrees)
+    return [{"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp} for rank in range(world_size)]
+
+
+def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, list[list[int]]]:
+    """Per dimension, every group's global ranks: the ranks whose other two coordinates are equal."""
+    coordinates = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp)
+    groups: dict[str, list[list[int]]] = {}
+    for dim in DIMS:
+        by_others: dict[tuple[int, ...], list[int]] = {}
+        for rank, coords in enumerate(coordinates):
+            by_others.setdefault(tuple(coords[other] for other in DIMS if other != dim), []).append(rank)
+        groups[dim] = list(by_others.values())
+    return groups
+
+
+def describe_layout(dp: int = 1, tp: int = 1, pp: int = 1) -> str:
+    """A table of every rank's coordinates, then each dimension's groups (no process group needed)."""
+    _check_degrees(dp, tp, pp)
+    world_size = dp * tp * pp
+    coordinates = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp)
+    lines = ["rank  " + "  ".join(f"{dim:>2}" for dim in DIMS)]
+    lines += [f"{rank:>4}  " + "  ".join(f"{coords[dim]:>2}" for dim in DIMS)
+              for rank, coords in enumerate(coordinates)]
+    for dim, groups in reversed(mesh_groups(world_size, dp=dp, tp=tp, pp=pp).items()):
+        lines.append(f"{dim} groups: " + " ".join(map(str, groups)))
+    return "\n".join(lines)
+
+
+class Mesh:
+    """The default process group's ranks as a ``(pp, dp, tp)`` grid, with one process group per dimension.
+
+    A collective: every rank constructs it with the same sizes.  ``dim`` is always ``"dp"``, ``"tp"`` or
+    ``"pp"``.  Bad sizes raise ``ValueError`` before any group is made; without a process group,
+    ``RuntimeError``.
+    """
+
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1):
+        degrees = _check_degrees(dp, tp, pp)
+        require_group()
+        _check_world_size(torch_dist.get_world_size(), degrees)
+        self.dp, self.tp, self.pp = dp, tp, pp
+        self.device_mesh: DeviceMesh = init_device_mesh(device().type, (pp, dp, tp), mesh_dim_names=DIMS)
+
+    def _check_dim(self, dim: object) -> str:
+        if not isinstance(dim, str) or dim not in DIMS:
+            raise ValueError(f"dim must be one of 'dp', 'tp', 'pp', got {dim!r}")
+        return dim
+
+    def group(self, dim: str) -> torch_dist.ProcessGroup:
+        """The process group of the ranks that share this rank's other two coordinates."""
+        return self.device_mesh.get_group(self._check_dim(dim))
+
+    def rank(self, dim: str) -> int:
+        """This rank's coordinate along ``dim`` (its rank in ``group(dim)``)."""
+        return self.device_mesh.get_local_rank(self._check_dim(dim))
+
+    def size(self, dim: str) -> int:
+        """The number of ranks along ``dim``."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}[self._check_dim(dim)]
+
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinates, e.g. ``{"pp": 0, "dp": 1, "tp": 0}``."""
+        return {dim: self.rank(dim) for dim in DIMS}
+
+    def ranks(self, dim: str) -> list[int]:
+        """The global ranks in this rank's group along ``dim``, in group-rank order."""
+        return torch_dist.get_process_group_ranks(self.group(dim))
+
+    def describe(self) -> str:
+        """This rank's place, then the table of every rank's coordinates and the groups."""
+        here = ", ".join(f"{dim}={index}" for dim, index in self.coords().items())
+        return (f"{self!r} over {torch_dist.get_world_size()} ranks ({backend()}, {device().type}); "
+                f"rank {torch_dist.get_rank()} is at {here}\n" + describe_layout(self.dp, self.tp, self.pp))
+
+    def __repr__(self) -> str:
+        return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp})"

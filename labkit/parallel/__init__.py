@@ -1,0 +1,1 @@
+"""The parallelisms, one module each, all keeping the contract of ``labkit.parallel.base``."""

@@ -1,0 +1,378 @@
+"""The contract every parallel wrapper keeps, and the plumbing they share.
+
+Each parallelism in ``labkit.parallel`` takes a plain ``nn.Module`` and the process group it runs over (``group``:
+``None`` for every rank, a ``ProcessGroup``, or one dimension of a ``labkit.mesh.Mesh``) and offers the same few
+things, so that the trainer, the checkpointer, the notebooks and the benchmarks never ask which wrapper they hold:
+
+================================  ==============================================================================
+``.module``                       the plain model (or this rank's part of it)
+``make_optimizer(cls, **kw)``     an optimizer over what this rank updates (ZeRO: a ``ShardedOptimizer``)
+``set_requires_gradient_sync(b)`` ``False``: backward passes accumulate locally and communicate nothing
+``reduce_gradients()``            the reduction those backward passes skipped, explicitly: after ``m`` forwards
+                                  and ``m`` backwards with sync off (a pipeline schedule's order), one call
+                                  leaves the gradient of the whole batch, as one process would have it
+``gradients()``                   ``{name: this rank's gradient}``: the full gradient, or this rank's shard
+``clip_grad_norm_(max_norm)``     clip by the norm over every rank's shards: ``clip_grad_norm_`` on one process
+``communication_per_step()``      bytes that entered each collective in the last step, measured
+``predicted_communication()``     the same, from the layout: what ``communication_per_step()`` is held to
+``memory_breakdown()``            bytes this rank holds: weights, gradients, optimizer states (measured storage)
+``state_dict()``                  this rank's part (a shard, for sharded wrappers)
+``full_state_dict()``             collective: the unsharded model's ``state_dict()``, on every rank
+================================  ==============================================================================
+
+Bytes "entering a collective" are counted as the literature counts a collective's size ``n``: an all-reduce's
+or broadcast's message, a reduce-scatter's input, an all-gather's output.  What each rank then puts on its link
+follows from ``labkit.costmodel.collectives`` (``2 (N-1)/N n`` for a ring all-reduce).  A *step* runs from a
+forward pass that follows a completed gradient reduction to the next such forward: it includes the optimizer's
+communication (ZeRO's all-gather of updated shards) and every micro-batch of gradient accumulation.
+
+**The shard layout** (:class:`ShardLayout`), shared by ZeRO-2 and ZeRO-3/FSDP, is ``fully_shard``'s: every
+tensor is cut along its first dimension into ``N`` chunks of ``ceil(rows / N)`` rows (``torch.chunk``; the last
+chunks may be shorter or empty), so rank ``r``'s shard of a weight is an ordinary tensor of shape
+``[rows_r, ...]`` that can be read, clipped and saved by name.  For one collective per group of tensors each
+rank's chunks are laid end to end, each padded to the full chunk size: rank ``r``'s shard is one flat buffer of
+``shard_numel`` elements and the flat buffer that ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` need
+is the ``N`` shards in rank order.  Packing a gradient into that buffer and unpacking gathered parameters out of
+it is one strided copy per tensor (FSDP2's "copy-in" and "copy-out").
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labkit.dist import global_rank, require_group
+from labkit.measure import model_state_bytes
+
+# torch 2.14 renamed the flat collectives (the old names still work, with a warning); we support torch >= 2.4.
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# --------------------------------------------------------------------------------------------------------
+# The contract
+
+
+class ParallelWrapper(nn.Module):
+    """Base class of every parallel wrapper: the contract above, its shared state and its defaults.
+
+    Subclasses call ``super().__init__(module, group)`` first and implement the abstract methods; they count
+    the bytes they put into collectives with :meth:`_count` and call :meth:`_reduction_done` when a step's
+    gradients are reduced.
+    """
+
+    def __init__(self, module: nn.Module, group: Any = None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}: {module!r:.80}")
+        self.module = module
+        if isinstance(self, SingleProcess):  # the baseline needs no process group
+            self.group, self.world_size, self.rank = None, 1, 0
+        else:
+            self.group = require_group(group)
+            self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.require_gradient_sync = True
+        self.optimizer: torch.optim.Optimizer | None = None  # the one make_optimizer built
+        self._traffic: Counter = Counter()
+        self._step_reduced = False
+
+    # -- communication -----------------------------------------------------------------------------------
+
+    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+        """Record ``tensor``'s bytes entering a collective of ``kind`` (``"all_reduce"``, ``"all_gather"``, ...)."""
+        if self._step_reduced:  # the first communication after a completed step starts a new one
+            self._traffic.clear()
+            self._step_reduced = False
+        self._traffic[kind] += tensor.numel() * tensor.element_size()
+
+    def _reduction_done(self) -> None:
+        self._step_reduced = True
+
+    def _start_forward(self) -> None:
+        """Call at the top of ``forward``: a forward after a completed reduction begins the next step."""
+        if self._step_reduced:
+            self._traffic.clear()
+            self._step_reduced = False
+
+    def communication_per_step(self) -> dict[str, int]:
+        """Bytes that entered each collective in the last step (the current one, if it is still running)."""
+        return dict(self._traffic)
+
+    def predicted_communication(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    # -- gradients -----------------------------------------------------------------------------------------
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """``False``: backward passes leave their gradients on this rank (accumulating) until
+        :meth:`reduce_gradients` or a backward pass with sync back on."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"requires_gradient_sync must be True or False, got {requires_gradient_sync!r}")
+        self.require_gradient_sync = requires_gradient_sync
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes run inside the block accumulate locally and communicate nothing."""
+        previous = self.require_gradient_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(previous)
+
+    def reduce_gradients(self) -> None:
+        raise NotImplementedError
+
+    def gradients(self) -> dict[str, torch.Tensor | None]:
+        """``{name: gradient}`` of this rank (default: the module's parameters' ``.grad``)."""
+        return {name: p.grad for name, p in self.module.named_parameters()}
+
+    def _sharded(self) -> bool:
+        """Whether :meth:`gradients` holds disjoint shards (their norms add up over the group)."""
+        return False
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient so that their global norm is at most ``max_norm``; return the norm before.
+
+        Equal to ``torch.nn.utils.clip_grad_norm_`` on one process holding the whole gradient: for sharded
+        gradients each rank's ``|g|^p`` sums (or maxima, for ``inf``) are all-reduced over the group first.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+        norm_type = float(norm_type)
+        if not (norm_type == math.inf or norm_type > 0):
+            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
+        grads = [g for g in dict.fromkeys(self.gradients().values()) if g is not None]  # a tied one once
+        device = grads[0].device if grads else next(self.module.parameters()).device
+        if norm_type == math.inf:
+            local = torch.stack([g.detach().abs().max() for g in grads if g.numel()]).max().float() \
+                if any(g.numel() for g in grads) else torch.zeros((), device=device)
+        else:
+            local = sum((g.detach().float().norm(norm_type) ** norm_type for g in grads),
+                        torch.zeros((), device=device))
+        if self._sharded():
+            op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+            dist.all_reduce(local, op=op, group=self.group)
+        total = local if norm_type == math.inf else local ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.dtype))
+        return total
+
+    # -- optimizer, memory, checkpoints ----------------------------------------------------------------------
+
+    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], params: Iterable[Any] | None = None,
+                       **kwargs: Any) -> torch.optim.Optimizer:
+        """An ``optimizer_cls`` over the parameters this rank updates: ``params`` (the module's parameters, or
+        parameter groups of them, as for any optimizer; default: all of ``self.parameters()``)."""
+        check_optimizer_class(optimizer_cls)
+        self.optimizer = optimizer_cls(self.parameters() if params is None else params, **kwargs)
+        return self.optimizer
+
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds between steps (``labkit.measure.model_state_bytes``' keys), with ``optimizer``
+        (default: the one :meth:`make_optimizer` built)."""
+        return model_state_bytes(self.module, optimizer if optimizer is not None else self.optimizer)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class SingleProcess(ParallelWrapper):
+    """No parallelism: the contract around a plain model on one process, the baseline every wrapper is held to.
+
+    It communicates nothing, holds everything, and its :meth:`reduce_gradients` has nothing to do; it needs no
+    process group, so the trainer's one loop also runs a plain model."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__(module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def predicted_communication(self) -> dict[str, int]:
+        return {}
+
+    def reduce_gradients(self) -> None:
+        pass
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()
+
+
+def check_optimizer_class(optimizer_cls: Any) -> None:
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW, not an "
+                        f"instance), got {optimizer_cls!r:.80}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The shard layout of ZeRO-2 and ZeRO-3
+
+
+@dataclass
+class ShardLayout:
+    """Tensors of ``shapes`` cut along dim 0 over ``world_size`` ranks (``torch.chunk``), each rank's chunks
+    padded and laid end to end: rank ``r``'s shard is flat elements ``[r * shard_numel, (r+1) * shard_numel)``
+    of a buffer of ``padded_numel``; tensor ``i``'s chunk starts at ``offsets[i]`` within every shard."""
+
+    shapes: list[torch.Size]
+    world_size: int
+    rank: int
+    rows: list[int] = field(init=False)  # dim 0 (1 for a 0-d tensor)
+    row_numel: list[int] = field(init=False)  # elements per row
+    chunk_rows: list[int] = field(init=False)  # ceil(rows / world_size)
+    offsets: list[int] = field(init=False)
+    shard_numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shapes = [torch.Size(shape) for shape in self.shapes]
+        self.rows = [shape[0] if len(shape) else 1 for shape in self.shapes]
+        self.row_numel = [math.prod(shape[1:]) if len(shape) else 1 for shape in self.shapes]
+        self.chunk_rows = [math.ceil(rows / self.world_size) for rows in self.rows]
+        sizes = [c * r for c, r in zip(self.chunk_rows, self.row_numel, strict=True)]
+        self.offsets = [sum(sizes[:index]) for index in range(len(sizes))]
+        self.shard_numel = max(1, sum(sizes))
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def local_rows(self, index: int, rank: int | None = None) -> tuple[int, int]:
+        """``(start, stop)``: the rows of tensor ``index`` that ``rank`` (default: this rank) holds."""
+        rank = self.rank if rank is None else rank
+        chunk = self.chunk_rows[index]
+        return min(rank * chunk, self.rows[index]), min((rank + 1) * chunk, self.rows[index])
+
+    def local_shape(self, index: int, rank: int | None = None) -> torch.Size:
+        start, stop = self.local_rows(index, rank)
+        shape = self.shapes[index]
+        return torch.Size([stop - start, *shape[1:]]) if len(shape) else torch.Size([stop - start])
+
+    def pieces_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's rows of each full tensor, as views (a 0-d tensor is seen as one row)."""
+        pieces = []
+        for index, tensor in enumerate(tensors):
+            start, stop = self.local_rows(index)
+            pieces.append(tensor.reshape(self.rows[index], *self.shapes[index][1:])[start:stop])
+        return pieces
+
+    def shard_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Views into a flat shard buffer, each in its tensor's local shape (the padding left out)."""
+        views = []
+        for index, offset in enumerate(self.offsets):
+            shape = self.local_shape(index)
+            views.append(shard[offset:offset + shape.numel()].view(shape))
+        return views
+
+    def _blocks(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Tensor ``index``'s padded chunks in a full flat buffer: a ``[world_size, chunk_rows, row_numel]`` view."""
+        begin = self.offsets[index]
+        size = self.chunk_rows[index] * self.row_numel[index]
+        return flat.view(self.world_size, self.shard_numel)[:, begin:begin + size].unflatten(
+            1, (self.chunk_rows[index], self.row_numel[index]))
+
+    def _pairs(self, flat: torch.Tensor, index: int, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(slots, rows)`` pairs covering tensor ``index``: its padded chunks in the full flat buffer ``flat``
+        beside its ``[rows, row_numel]`` view ``rows``; the whole chunks as one strided view each side, and the
+        last, shorter chunk, if any.  (Flattening the chunks into rows instead would copy them: they are not
+        evenly spaced in ``flat``.)"""
+        chunk, total = self.chunk_rows[index], self.rows[index]
+        whole = total // chunk if chunk else 0
+        blocks = self._blocks(flat, index)
+        pairs = [(blocks[:whole], rows[:whole * chunk].view(whole, chunk, self.row_numel[index]))]
+        if whole * chunk < total:
+            pairs.append((blocks[whole, :total - whole * chunk], rows[whole * chunk:]))
+        return pairs
+
+    def copy_in(self, index: int, tensor: torch.Tensor, flat: torch.Tensor) -> None:
+        """Write the full tensor ``index`` into its chunks of the full flat buffer ``flat`` (converting the dtype)."""
+        for slots, rows in self._pairs(flat, index, tensor.reshape(self.rows[index], self.row_numel[index])):
+            slots.copy_(rows)
+
+    def pack(self, tensors: list[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
+        """Write full ``tensors`` (``None``: zeros) into the full flat buffer ``out`` (converting the dtype)."""
+        out.zero_()
+        for index, tensor in enumerate(tensors):
+            if tensor is not None:
+                self.copy_in(index, tensor, out)
+        return out
+
+    def unpack(self, flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Copy the full flat buffer ``flat`` back into the full (contiguous) ``tensors``."""
+        for index, tensor in enumerate(tensors):
+            for slots, rows in self._pairs(flat, index, tensor.view(self.rows[index], self.row_numel[index])):
+                rows.copy_(slots)
+
+    def pack_shard(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's zero-padded shard of the full ``tensors``."""
+        shard = tensors[0].new_zeros(self.shard_numel)
+        for view, piece in zip(self.shard_views(shard), self.pieces_of(tensors), strict=True):
+            view.copy_(piece)
+        return shard
+
+
+def add_shard_gradients(shard: torch.Tensor, pieces: list[torch.Tensor | None], layout: ShardLayout) -> None:
+    """Make the reduced ``shard`` the gradient of this rank's ``pieces`` (or add it to what they hold)."""
+    for piece, gradient in zip(pieces, layout.shard_views(shard), strict=True):
+        if piece is None:
+            continue
+        gradient = gradient.to(piece.dtype)
+        if piece.grad is None:
+            piece.grad = gradient  # a view of the shard: one buffer per bucket or unit
+        else:
+            piece.grad.add_(gradient)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Set-up helpers every wrapper uses
+
+
+def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    return list(kinds.values())
+
+
+@torch.no_grad()
+def broadcast_from_first_rank(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Overwrite ``tensors`` with the group's first rank's values: one broadcast per (dtype, device) of the
+    tensors flattened together, rather than one small message each."""
+    for same_kind in by_dtype(tensors):
+        flat = torch.cat([tensor.detach().reshape(-1) for tensor in same_kind])
+        dist.broadcast(flat, src=global_rank(group, 0), group=group)
+        offset = 0
+        for tensor in same_kind:
+            tensor.detach().copy_(flat[offset:offset + tensor.numel()].view(tensor.shape))
+            offset += tensor.numel()
+
+
+def check_same_model(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None) -> None:
+    """Compare a checksum of every tensor's name, shape, dtype and ``requires_grad`` across the group.
+
+    Different models would otherwise make the broadcasts and reductions that follow mismatch or hang."""
+    if not named:
+        raise ValueError("the module has no parameters or buffers")
+    description = repr([(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in named])
+    mine = torch.tensor([zlib.crc32(description.encode())], dtype=torch.int64, device=named[0][1].device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    differ = [rank for rank, checksum in enumerate(everyone) if not torch.equal(checksum, everyone[0])]
+    if differ:
+        raise ValueError(f"ranks {differ} (of the group) hold a model whose parameter/buffer names, shapes, dtypes "
+                         "or requires_grad differ from rank 0's; every rank must wrap the same model")
+
+
+def queue_end_of_backward(callback: Any) -> None:
+    """Run ``callback`` once the autograd engine finishes the current backward pass (call it from a hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -1,0 +1,420 @@
+"""**ZeRO-3** (:class:`FullyShardedDataParallel`, FSDP; Zhao et al., "PyTorch FSDP", VLDB 2023): parameters,
+gradients and optimizer states all sharded, each rank holding ``1/N`` of every model state.
+
+The model is cut into *units*: each child of a ``ModuleList``/``Sequential`` called ``blocks`` or ``layers``
+(one transformer block each), or the modules passed as ``units``; the *root* unit holds every other parameter
+and any parameter two units share (a tied embedding and LM head).  A unit's parameters of one dtype and
+``requires_grad`` travel in one collective.  The layout is ``fully_shard``'s (FSDP2; ``ShardLayout``): each
+parameter is cut along dim 0 into ``N`` chunks of ``ceil(rows / N)`` rows (``torch.chunk``), and rank ``r``'s
+chunks, padded to the full chunk size, lie end to end in one flat *shard* buffer per unit.  The module's
+parameters *are* this rank's chunks, ``nn.Parameter`` views of that buffer of shape ``[rows_r, ...]`` under
+their own names, so ``named_parameters()``, ``state_dict()`` and ``.grad`` hold per-parameter shards (FSDP2's
+``DTensor.to_local()``) and an optimizer on ``parameters()`` keeps ``1/N`` of the state.
+
+Hooks on every unit (every rank runs the same units in the same order):
+
+- *before its forward*: all-gather the shards into a padded full buffer, copy the rows out into the full
+  parameters ("copy-out"), free the buffer; start the next unit's all-gather (prefetch: it overlaps compute);
+- *after its forward*: put the shards back and free the full parameters (``untyped_storage().resize_(0)``;
+  the tensors autograd saved keep their shape but hold no memory);
+- *before its backward* (a hook on its outputs): gather again, into the same storage, so what autograd saved
+  is valid again, and prefetch the unit whose backward comes next;
+- *after its backward* (an identity ``autograd.Function`` on its inputs, whose backward runs once the unit's
+  nodes are done; else the callback that ends the backward pass): copy the full gradients into a padded buffer
+  ("copy-in"), reduce-scatter it, divide this rank's shard by ``N`` (FSDP2's order), free the unit.
+
+The root is gathered once, kept until the end of backward.  A rank holds ``Psi/N`` of every model state plus,
+briefly, the full root and about two units.  Per step every unit's padded buffer is all-gathered twice (the root
+once) and every trainable one reduce-scattered once: ``3 Psi``, 1.5 times DDP.  With ``compute_dtype`` (bf16)
+the fp32 *master* shards are cast before the all-gather (half the bytes), gradients reduced in ``reduce_dtype``.
+
+**m forwards, then m backwards** (a pipeline schedule).  The backward bookkeeping lives in a record of each
+forward pass that its hooks carry, so every backward re-gathers each unit before its part of that graph and
+frees it after; the root stays gathered until no forward awaits its backward.  With
+``set_requires_gradient_sync(False)`` (read when a unit's backward ends, as in FSDP2) each unit keeps its
+*unsharded* gradient, summed in ``reduce_dtype``; ``reduce_gradients()`` reduce-scatters the sums, and a later
+backward with sync on sends them with its own.  Not supported: activation checkpointing inside a unit, a unit
+run twice in one forward.  Buffers are broadcast from the first rank at construction only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from labkit.parallel.base import (
+    ParallelWrapper,
+    ShardLayout,
+    add_shard_gradients,
+    all_gather_tensor,
+    broadcast_from_first_rank,
+    check_same_model,
+    queue_end_of_backward,
+    reduce_scatter_tensor,
+)
+
+
+class _FlatParameter:
+    """A unit's parameters of one dtype and ``requires_grad``: this rank's shard, the full ones while gathered."""
+
+    def __init__(self, parameters: list[nn.Parameter], slots: list[list[tuple[nn.Module, str]]],
+                 names: list[list[str]], world_size: int, rank: int, compute_dtype: torch.dtype):
+        self.slots, self.names, self.requires_grad = slots, names, parameters[0].requires_grad
+        self.layout = ShardLayout([p.shape for p in parameters], world_size, rank)
+        self.shard = self.layout.pack_shard([p.detach() for p in parameters])
+        self.pieces = [nn.Parameter(view, requires_grad=self.requires_grad)
+                       for view in self.layout.shard_views(self.shard)]
+        self.full_parameters = [nn.Parameter(torch.empty(p.shape, dtype=compute_dtype, device=p.device),
+                                             requires_grad=self.requires_grad) for p in parameters]
+        for p in self.full_parameters:
+            p.untyped_storage().resize_(0)
+        self.accumulated: list[torch.Tensor | None] = [None] * len(parameters)  # unsharded, while sync is off
+        self.gathering: torch.Tensor | None = None  # the padded all-gather output, while in flight
+        self.handle, self.gathered = None, False
+
+
+@dataclass(eq=False)
+class _Unit:
+    module: nn.Module
+    flats: list[_FlatParameter]
+    is_root: bool = False
+
+    def use(self, full: bool) -> None:
+        """Put the full parameters (or this rank's shards) into the modules."""
+        for flat in self.flats:
+            for tensor, slots in zip(flat.full_parameters if full else flat.pieces, flat.slots, strict=True):
+                for module, attribute in slots:
+                    module._parameters[attribute] = tensor
+
+
+@dataclass(eq=False)
+class _Pass:
+    """A forward pass with autograd on: its units in forward order; those whose backward started and ended."""
+
+    units: list[_Unit]
+    pre_backward: set[_Unit] = field(default_factory=set)
+    post_backward: set[_Unit] = field(default_factory=set)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward, run once the unit's gradients are done, calls ``callback``."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *gradients: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *gradients)
+
+
+class FullyShardedDataParallel(ParallelWrapper):
+    """ZeRO-3 over ``group`` (``None``: every rank, a ``ProcessGroup`` or a 1-D ``DeviceMesh``)::
+
+        model = FullyShardedDataParallel(TinyGPT(config))             # one unit per block, the rest in the root
+        optimizer = model.make_optimizer(torch.optim.AdamW, lr=1e-3)  # steps this rank's shards only
+        full = model.full_state_dict()                                # collective: the unsharded state_dict()
+
+    ``compute_dtype``: of the gathered parameters, the inputs and the computation; ``reduce_dtype``: of the
+    gradients' reduce-scatter (both default to the shards' dtype); ``units``: the modules gathered one at a time;
+    ``prefetch``: start the next unit's all-gather while this one computes.  Rank 0's values win.
+    """
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, units: Iterable[nn.Module] | None = None,
+                 prefetch: bool = True, group: Any = None):
+        unit_modules = _check_fsdp_arguments(module, compute_dtype, reduce_dtype, units, prefetch)
+        super().__init__(module, group)
+        self.prefetch = prefetch
+        check_same_model(list(module.named_parameters()) + list(module.named_buffers()), self.group)
+        broadcast_from_first_rank(list(module.parameters()) + list(module.buffers()), self.group)
+        self.master_dtype = next(module.parameters()).dtype  # the shards' (mixed dtypes need both given)
+        self.compute_dtype, self.reduce_dtype = compute_dtype or self.master_dtype, reduce_dtype or self.master_dtype
+        self.units = self._make_units(unit_modules)
+        for unit in self.units[1:]:
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
+            unit.module.register_forward_hook(partial(self._post_forward, unit))
+        self._live: weakref.WeakSet[_Pass] = weakref.WeakSet()  # forward passes awaiting their backward
+        self._recording: _Pass | None = None  # the forward pass running now
+        self._backward: list[_Pass] = []  # the passes the running backward has reached
+        self._pending_reduce_scatter: tuple[Any, ...] | None = None
+
+    def _make_units(self, unit_modules: list[nn.Module]) -> list[_Unit]:
+        slots: dict[int, list[tuple[nn.Module, str]]] = {}  # id(parameter) -> where the modules hold it
+        names: dict[int, list[str]] = {}
+        parameters: dict[int, nn.Parameter] = {}
+        for prefix, owner in self.module.named_modules(remove_duplicate=False):
+            for attribute, p in owner._parameters.items():
+                if p is not None and (owner, attribute) not in slots.get(id(p), []):
+                    slots.setdefault(id(p), []).append((owner, attribute))
+                    names.setdefault(id(p), []).append(f"{prefix}.{attribute}" if prefix else attribute)
+                    parameters[id(p)] = p
+        holders = [{id(p) for p in unit_module.parameters()} for unit_module in unit_modules]
+        members: list[list[nn.Parameter]] = [[] for _ in range(len(unit_modules) + 1)]  # root first
+        for key, p in parameters.items():
+            held_by = [index for index, held in enumerate(holders) if key in held]
+            members[held_by[0] + 1 if len(held_by) == 1 else 0].append(p)  # shared or unclaimed: root
+        units = []
+        for index, unit_parameters in enumerate(members):
+            flats = []
+            for kind in dict.fromkeys((p.dtype, p.requires_grad) for p in unit_parameters):
+                chosen = [p for p in unit_parameters if (p.dtype, p.requires_grad) == kind]
+                flats.append(_FlatParameter(chosen, [slots[id(p)] for p in chosen], [names[id(p)] for p in chosen],
+                                            self.world_size, self.rank, self.compute_dtype))
+            units.append(_Unit(self.module if index == 0 else unit_modules[index - 1], flats, is_root=index == 0))
+        for unit in units:
+            unit.use(full=False)  # from now on the module's parameters are this rank's shards
+        return units
+
+    def _start_gather(self, unit: _Unit) -> None:
+        for flat in unit.flats:
+            if flat.gathered or flat.handle is not None:
+                continue
+            flat.gathering = flat.shard.new_empty(flat.layout.padded_numel, dtype=self.compute_dtype)
+            self._count("all_gather", flat.gathering)
+            flat.handle = all_gather_tensor(flat.gathering, flat.shard.to(self.compute_dtype), group=self.group,
+                                            async_op=True)
+
+    def _gather(self, unit: _Unit) -> None:
+        self._start_gather(unit)
+        for flat in unit.flats:
+            if flat.handle is None:
+                continue
+            flat.handle.wait()
+            for p in flat.full_parameters:
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+            # Copy out through .data: a new version counter, so autograd's saved tensors stay valid.
+            flat.layout.unpack(flat.gathering, [p.data for p in flat.full_parameters])
+            flat.gathering, flat.handle, flat.gathered = None, None, True
+
+    def _free(self, unit: _Unit) -> None:
+        for flat in unit.flats:
+            if flat.handle is not None:  # a prefetch that was not used
+                flat.handle.wait()
+            flat.gathering, flat.handle, flat.gathered = None, None, False
+            for p in flat.full_parameters:
+                p.untyped_storage().resize_(0)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._start_forward()
+        root = self.units[0]
+        if not self._live:
+            self._free(root)  # a gather no backward awaits may predate an optimizer step: gather afresh
+        self._start_gather(root)
+        if self.prefetch and len(self.units) > 1:
+            self._start_gather(self.units[1])
+        self._gather(root)
+        if self.compute_dtype != self.master_dtype:
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point()
+                                         else t, (args, kwargs))
+        record = self._recording = _Pass([root])
+        root.use(full=True)
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            root.use(full=False)
+            self._recording = None
+        if torch.is_grad_enabled() and _register_on_outputs(output, partial(self._pre_backward, record, root)):
+            self._live.add(record)  # the root stays gathered until the end of its backward
+        elif not self._live:
+            self._free(root)
+        return output
+
+    def _pre_forward(self, unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        record = self._recording if self._recording is not None else _Pass([])  # run outside our forward
+        if unit in record.units:
+            raise RuntimeError(f"unit {type(unit.module).__name__} ran twice in one forward pass: unsupported")
+        self._gather(unit)
+        record.units.append(unit)
+        position = self.units.index(unit)
+        if self.prefetch and position + 1 < len(self.units):
+            self._start_gather(self.units[position + 1])
+        unit.use(full=True)
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t) and t.requires_grad]
+            if tensors:
+                outputs = _PostBackward.apply(partial(self._post_backward, record, unit), *tensors)
+                replaced = {id(t): out for t, out in zip(tensors, outputs, strict=True)}
+                args, kwargs = tree_map_only(torch.Tensor, lambda t: replaced.get(id(t), t), (args, kwargs))
+        return args, kwargs
+
+    def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> Any:
+        unit.use(full=False)
+        self._free(unit)
+        if torch.is_grad_enabled() and self._recording is not None:
+            _register_on_outputs(output, partial(self._pre_backward, self._recording, unit))
+        return output
+
+    # ----------------------------------------------------------------------------------------------------
+    # Backward
+
+    def _pre_backward(self, record: _Pass, unit: _Unit, gradient: torch.Tensor) -> None:
+        if not self._backward:
+            queue_end_of_backward(self._finish_backward)
+        if record not in self._backward:
+            self._backward.append(record)
+            self._live.add(record)  # again, if a retained graph is run backward a second time
+        if unit in record.pre_backward:
+            return
+        record.pre_backward.add(unit)
+        self._gather(unit)
+        upcoming = record.units[record.units.index(unit) - 1]  # the root's backward comes before the last unit's
+        if self.prefetch and not upcoming.is_root:
+            self._start_gather(upcoming)
+
+    def _post_backward(self, record: _Pass, unit: _Unit) -> None:
+        """Reduce-scatter the unit's gradients (or, with sync off, add them to what it accumulated); free it."""
+        if unit in record.post_backward:
+            return
+        record.post_backward.add(unit)
+        for flat in unit.flats:
+            if not flat.requires_grad:
+                continue
+            if self.require_gradient_sync:
+                self._reduce_scatter(flat)
+            else:
+                flat.accumulated = [None if g is None else g.to(self.reduce_dtype) for g in _take_gradients(flat)]
+        if not unit.is_root:
+            self._free(unit)
+
+    def _reduce_scatter(self, flat: _FlatParameter) -> None:
+        """Launch the reduce-scatter of ``flat``'s full gradients (the previous one is waited for first)."""
+        full = flat.shard.new_empty(flat.layout.padded_numel, dtype=self.reduce_dtype)
+        flat.layout.pack(_take_gradients(flat), full)
+        self._complete_reduce_scatter()
+        shard = full.new_empty(flat.layout.shard_numel)
+        self._count("reduce_scatter", full)
+        handle = reduce_scatter_tensor(shard, full, group=self.group, async_op=True)
+        self._pending_reduce_scatter = (handle, shard, full, flat)
+
+    def _complete_reduce_scatter(self) -> None:
+        if self._pending_reduce_scatter is not None:
+            handle, shard, _, flat = self._pending_reduce_scatter
+            handle.wait()
+            add_shard_gradients(shard.div_(self.world_size), flat.pieces, flat.layout)
+            self._pending_reduce_scatter = None
+
+    def _finish_backward(self) -> None:
+        try:
+            for record in self._backward:
+                for unit in reversed(record.units):
+                    self._post_backward(record, unit)  # units whose inputs needed no gradient, and the root
+                record.pre_backward, record.post_backward = set(), set()  # a retained graph may run again
+                self._live.discard(record)
+            self._complete_reduce_scatter()
+            if self.require_gradient_sync:
+                self._reduction_done()
+        finally:
+            self._backward = []
+            for unit in self.units:
+                if not (unit.is_root and self._live):
+                    self._free(unit)
+
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter what backward passes with sync off accumulated into the shards' ``.grad`` (the mean over
+        ranks).  A collective: every rank calls it after the same backward passes."""
+        flats = [flat for unit in self.units for flat in unit.flats if flat.requires_grad]
+        if any(g is not None for flat in flats for g in flat.accumulated):
+            for flat in flats:
+                self._reduce_scatter(flat)
+            self._complete_reduce_scatter()
+        self._reduction_done()
+
+    def _sharded(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded model's ``state_dict()`` (the shards' dtype, and the buffers) on every rank."""
+        full: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            for flat in unit.flats:
+                gathered = flat.shard.new_empty(flat.layout.padded_numel)
+                all_gather_tensor(gathered, flat.shard, group=self.group)
+                tensors = [flat.shard.new_empty(shape) for shape in flat.layout.shapes]
+                flat.layout.unpack(gathered, tensors)
+                full.update((name, tensor) for tensor, names in zip(tensors, flat.names, strict=True)
+                            for name in names)
+        full.update((name, buffer.detach().clone()) for name, buffer in self.module.named_buffers())
+        return {name: full[name] for name in self.module.state_dict()}
+
+    def unsharded_bytes(self) -> int:
+        """Bytes of full parameters and all-gather buffers allocated right now: the transient on top."""
+        return sum(t.untyped_storage().nbytes() for unit in self.units for flat in unit.flats
+                   for t in (*flat.full_parameters, flat.gathering) if t is not None)
+
+    def predicted_communication(self) -> dict[str, int]:
+        """Bytes entering each collective in one forward + backward: every unit's padded buffer gathered twice
+        (the root once), every trainable one reduce-scattered once."""
+        gathers = sum((1 if unit.is_root else 2) * flat.layout.padded_numel for unit in self.units
+                      for flat in unit.flats)
+        scatters = sum(flat.layout.padded_numel for unit in self.units for flat in unit.flats if flat.requires_grad)
+        return {"all_gather": gathers * torch.finfo(self.compute_dtype).bits // 8,
+                "reduce_scatter": scatters * torch.finfo(self.reduce_dtype).bits // 8}
+
+    @property
+    def unit_names(self) -> list[list[str]]:
+        """Per unit (root first): the names of the parameters it gathers."""
+        return [[names[0] for flat in unit.flats for names in flat.names] for unit in self.units]
+
+
+def _take_gradients(flat: _FlatParameter) -> list[torch.Tensor | None]:
+    """The full gradients on ``flat``'s parameters plus what it accumulated with sync off, taken off it."""
+    taken = []
+    for p, total in zip(flat.full_parameters, flat.accumulated, strict=True):
+        gradient, p.grad = p.grad, None
+        taken.append(gradient if total is None else total if gradient is None else total.add_(gradient))
+    flat.accumulated = [None] * len(taken)
+    return taken
+
+
+def _register_on_outputs(output: Any, hook: Callable[[torch.Tensor], None]) -> bool:
+    """Hook every output tensor that will receive a gradient; whether there was one."""
+    tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
+    for tensor in tensors:
+        tensor.register_hook(hook)
+    return bool(tensors)
+
+
+def _check_fsdp_arguments(module: Any, compute_dtype: Any, reduce_dtype: Any, units: Any,
+                          prefetch: Any) -> list[nn.Module]:
+    """Check the arguments; return the unit modules (given, or found)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}: {module!r:.80}")
+    parameters = list(module.parameters())
+    if not parameters or any(not p.is_floating_point() for p in parameters):
+        raise ValueError("module must have parameters, every one floating point, to shard and reduce them")
+    for name, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"{name} must be None or a floating-point torch.dtype, got {dtype!r}")
+    if len({p.dtype for p in parameters}) > 1 and (compute_dtype is None or reduce_dtype is None):
+        raise ValueError("the module mixes parameter dtypes; pass compute_dtype and reduce_dtype explicitly")
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+    submodules = {id(m) for m in module.modules() if m is not module}
+    if units is None:
+        found = [child for name, lst in module.named_modules() if name.split(".")[-1] in ("blocks", "layers")
+                 and isinstance(lst, (nn.ModuleList, nn.Sequential)) for child in lst if child is not None]
+        return [m for m in found if not any(m is not other and any(m is sub for sub in other.modules())
+                                            for other in found)]
+    units = list(units)
+    for index, unit in enumerate(units):
+        if not isinstance(unit, nn.Module) or id(unit) not in submodules:
+            raise ValueError(f"every unit must be a submodule of module (not module itself), got {unit!r:.80}")
+        inner = [other for at, other in enumerate(units) if at != index and any(other is m for m in unit.modules())]
+        if inner:
+            raise ValueError(f"units must not nest or repeat: {type(inner[0]).__name__} is (inside) "
+                             f"{type(unit).__name__}")
+    return units

@@ -1,0 +1,103 @@
+"""The library's layout holds: short modules, no import cycle, layers importing downwards, public names only.
+
+The layers (DESIGN.md): what needs no process group at the bottom (the analytical models of
+``labkit.costmodel``, pure arithmetic, and the workloads they describe: ``models``, ``data``), then the runtime
+(dist, launch, worker, mesh, trace, collectives, measure), then the parallelisms (``labkit.parallel``), then the
+training recipes; the trainer, the course's tools and the command line on top.  A module may
+import from its own layer and the layers below, never from above.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+LIBRARY = REPO / "labkit"
+MAX_LINES = 420  # DESIGN.md: "under 300-400 lines per module", with room for a docstring table or two
+LAYERS = [  # lowest first; a module's layer is the first prefix that matches
+    ("workloads and models", ("labkit.costmodel", "labkit.data", "labkit.models")),
+    ("runtime", ("labkit.dist", "labkit.worker", "labkit.launch", "labkit.mesh", "labkit.trace",
+                 "labkit.collectives", "labkit.measure")),
+    ("parallel", ("labkit.parallel",)),
+    ("recipes", ("labkit.lr", "labkit.precision", "labkit.recompute")),
+    ("top", ("labkit.train", "labkit.viz", "labkit.grading", "labkit.cli", "labkit")),
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in LIBRARY.rglob("*.py")}
+
+
+def _imports(path: Path) -> set[str]:
+    """The labkit modules ``path`` imports at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("labkit"):
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & set(_modules())
+            found.update(submodules or {node.module})  # `from labkit import dist` imports labkit.dist
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("labkit"))
+    modules = _modules()
+    return {name for name in found if name in modules}
+
+
+def _layer(module: str) -> int:
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return index
+    raise AssertionError(f"{module} belongs to no layer of tests/test_layout.py")
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_every_module_reads_in_one_sitting(module):
+    lines = len(_modules()[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines; split it (DESIGN.md: one technique per module)"
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    offences = [f"{module} ({LAYERS[_layer(module)][0]}) imports {imported} ({LAYERS[_layer(imported)][0]})"
+                for module, path in _modules().items() for imported in _imports(path)
+                if _layer(imported) > _layer(module)]
+    assert not offences, "\n".join(offences)
+
+
+def test_there_is_no_import_cycle():
+    graph = {module: {i for i in _imports(path) if i != module and not module.startswith(i + ".")}
+             for module, path in _modules().items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(graph.get(module, ())):
+            if state.get(imported) == 1:
+                cycle = path[path.index(imported):] + [imported] if imported in path else [module, imported]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if imported not in state:
+                visit(imported, path + [imported])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+PRIVATE = re.compile(r"from labkit[\w.]* import [^\n]*\b_\w+|\blabkit(?:\.\w+)*\._\w+|\b(?:plots|widgets|lr|measure|"
+                     r"memory|costs|compute|step_model|recompute|precision|data|trace|grading)\._[a-z]\w*")
+
+
+@pytest.mark.parametrize("notebook", sorted((REPO / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_notebooks_import_only_public_names(notebook):
+    cells = json.loads(notebook.read_text())["cells"]
+    code = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+    assert not PRIVATE.findall(code), f"{notebook.name} reaches private names: {PRIVATE.findall(code)}"
