@@ -19,9 +19,14 @@ lab: $(STAMP)  ## open the course in JupyterLab (prints the URL; never needs a b
 	@echo "Starting JupyterLab on notebooks/ — open the http://127.0.0.1:... URL printed below."
 	$(BIN)/jupyter lab --no-browser --ip=127.0.0.1 --notebook-dir=notebooks $(ALLOW_ROOT)
 
-test: $(STAMP)  ## unit + distributed + grading tests, then every notebook under nbval (solutions mode)
-	LABKIT_SOLUTIONS=1 $(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
-		--nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=300 $(PYTEST_ARGS)
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=300
+
+# Unit, distributed, grading and browser tests, then every notebook under nbval (solutions mode) twice: with this
+# CPU's own kernels, and with PyTorch's portable ones (ATEN_CPU_CAPABILITY=default), so that what a notebook
+# stores is what any learner's CPU reproduces.
+test: $(STAMP)  ## the whole suite (see README: Developing)
+	LABKIT_SOLUTIONS=1 $(BIN)/python -m pytest tests notebooks $(NBVAL) $(PYTEST_ARGS)
+	LABKIT_SOLUTIONS=1 ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest notebooks $(NBVAL) $(PYTEST_ARGS)
 
 bench: $(STAMP)  ## benchmarks against PyTorch's built-ins, ratios printed
 	$(BIN)/labkit bench

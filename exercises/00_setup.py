@@ -5,8 +5,9 @@ rank reduces its own slice locally and then one collective (``all_reduce``) comb
 every rank ends up with the same answer.  This is the pattern behind data-parallel training: replace "sum of
 numbers" with "gradient of the loss".
 
-Complete the three functions, then run ``labkit.grading.check("setup")`` (the last cell of
-``notebooks/00_setup.ipynb``) or ``labkit grade`` in a terminal.
+Complete the three functions, then run ``labkit.grading.check("setup")`` (the grading cell of
+``notebooks/00_setup.ipynb``) or ``labkit grade`` in a terminal.  While the checks run, labkit's own
+version of ``shard_bounds`` (``chunk_bounds``) is switched off: the answer must be yours.
 
 Useful: ``torch.distributed.all_reduce(tensor, op=dist.ReduceOp.SUM)`` sums ``tensor`` over every rank,
 *in place*, and every rank gets the result.  Inside these functions the process group already exists:

@@ -15,7 +15,9 @@ you ``.wait()`` on.  Post the send and the receive of a step *before* waiting on
 blocking ``send`` first, each would wait for a receive that nobody has posted.  ``isend`` needs a contiguous
 tensor; receive into a fresh buffer (``torch.empty``) and then add or copy it into ``flat``.
 
-Check your work with the last cell of ``notebooks/01_collectives.ipynb`` or ``labkit grade``.
+Check your work with the grading cell of ``notebooks/01_collectives.ipynb`` or ``labkit grade``.  The checks run
+your functions on 2 to 4 ranks with every built-in collective (and labkit's own ``labkit.collectives``) switched
+off, and compare the messages each rank sends and receives with the ring's schedule above.
 """
 
 import torch

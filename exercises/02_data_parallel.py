@@ -10,9 +10,10 @@ Averaging one parameter at a time costs one all-reduce — one latency ``alpha``
 implementations pack gradients into *buckets* of ~25 MB and all-reduce a bucket as soon as its last gradient is
 ready, overlapping communication with the rest of the backward pass.
 
-Complete the three functions, then run the last cell of ``notebooks/02_data_parallel.ipynb`` (or
+Complete the three functions, then run the grading cell of ``notebooks/02_data_parallel.ipynb`` (or
 ``labkit grade``).  The checks train a small model on several gloo ranks with your broadcast and hook and
-compare it with single-process training on the whole batch.
+compare it with single-process training on the whole batch.  While they run, labkit's own data parallelism
+(``labkit.parallel``) is switched off: the answer must be yours.
 """
 
 import torch

@@ -18,9 +18,10 @@ the first update.  With ``peak`` the scaled rate, ``w = warmup_steps``, ``s = wa
 
 ``lr_at`` is only asked about steps ``0 <= step <= T``, with ``0 <= w < T``.
 
-Complete the three functions, then run the last cell of ``notebooks/03_lr_scaling.ipynb`` (or
+Complete the three functions, then run the grading cell of ``notebooks/03_batch_size_and_lr.ipynb`` (or
 ``labkit grade``).  The checks compare your numbers with a reference on many runs: several world sizes,
-accumulation steps, warmup lengths and start factors.
+accumulation steps, warmup lengths and start factors.  While they run, labkit's own schedule (``labkit.lr``)
+is switched off: the answer must be yours.
 """
 
 import math  # noqa: F401  (you will need it)

@@ -16,24 +16,28 @@ One training step with these functions::
     stepped = scaled_step(optimizer, scale)
     scale, good_steps = update_scale(scale, not stepped, good_steps, growth_interval=...)
 
-Complete the three functions, then run the last cell of ``notebooks/04_mixed_precision.ipynb`` (or
+Complete the three functions, then run the grading cell of ``notebooks/04_mixed_precision_and_memory.ipynb`` (or
 ``labkit grade``).  The last check trains a small model in fp16 with your functions and compares every step
-with ``torch.amp.GradScaler``: the same scales, the same skipped steps, the same weights.
+with ``torch.amp.GradScaler``: the same scales, the same skipped steps, the same weights.  Its optimizer, like
+the others the checks build, has several parameter groups.  While the checks run, labkit's own loss scaler
+(``labkit.precision``) is switched off: the answer must be yours.
 """
 
 import torch
 
 
 def unscale_gradients(parameters: list[torch.nn.Parameter], scale: float) -> bool:
-    """Divide the ``.grad`` of every parameter in ``parameters`` by ``scale``, in place (skip a parameter whose
-    ``.grad`` is ``None``).  Return ``True`` if any gradient holds an ``inf`` or a ``nan``, else ``False``."""
+    """Divide the ``.grad`` of every parameter in ``parameters`` by ``scale``, in place — all of them, even after
+    finding an overflow (skip a parameter whose ``.grad`` is ``None``).  Return ``True`` if any gradient holds an
+    ``inf`` or a ``nan``, else ``False``."""
     # TODO: torch.isfinite(grad).all() is False when grad holds an inf or a nan; grad.div_(scale) divides in place.
     raise NotImplementedError("unscale_gradients")
 
 
 def scaled_step(optimizer: torch.optim.Optimizer, scale: float) -> bool:
-    """Unscale the gradients of every parameter in ``optimizer.param_groups`` (with ``unscale_gradients``), then
-    call ``optimizer.step()`` only if none overflowed.  Return whether the optimizer stepped."""
+    """Unscale the gradients of every parameter in every group of ``optimizer.param_groups`` (with
+    ``unscale_gradients``), then call ``optimizer.step()`` only if none overflowed.  Return whether the optimizer
+    stepped."""
     # TODO: the parameters are [p for group in optimizer.param_groups for p in group["params"]].
     raise NotImplementedError("scaled_step")
 

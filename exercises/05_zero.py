@@ -23,9 +23,10 @@ One training step with these functions, on every rank::
     loss.backward()                                                        # + average the gradients
     zero1_step(parameters, owners, local_optimizer)
 
-Complete the three functions, then run the last cell of ``notebooks/05_zero_and_fsdp.ipynb`` (or
+Complete the three functions, then run the grading cell of ``notebooks/05_zero_and_fsdp.ipynb`` (or
 ``labkit grade``).  The checks give each function size lists, rank numbers and a small model on 2 and 3 gloo
-ranks, and compare with one process training the same model with plain AdamW.
+ranks, and compare with one process training the same model with plain AdamW.  While they run, labkit's own
+ZeRO (``labkit.parallel``) is switched off: the answer must be yours.
 """
 
 import torch

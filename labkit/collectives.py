@@ -25,15 +25,37 @@ which is optimal (each rank must send its ``n`` bytes out and receive the result
 grow, which is why small messages use trees instead.  NCCL-tests report the *bus bandwidth* ``busbw = algbw *
 2 (N-1)/N`` (``algbw = n / time``) so that a ring's number is comparable with the raw link speed whatever N is.
 
+**On one machine the links are not independent.**  The model charges a ring step ``alpha + (n/N) beta`` although
+every rank sends *and* receives ``n/N`` bytes in it: it assumes full-duplex links, one per rank, as NVLink or
+InfiniBand give.  Over loopback TCP each byte is copied twice by a CPU (into the kernel by the sender, out by
+the receiver), and every rank's copies share the same cores.  On a 2-core machine an *exchange* (two ranks
+each sending ``m`` bytes to the other at once) took 2-3.6x as long as sending ``m`` one way (4-16 MiB;
+``benchmarks/bench_collectives.py --anatomy``).  At ``N = 2`` the ring and the parameter server move the same
+bytes per rank, ``n`` out and ``n`` in: the ring as two exchanges of ``n/2``, the parameter server as two
+one-way transfers of ``n``, so the ring's predicted 2x advantage does not appear (16 MiB, loaded machine: ring
+22.8 ms, its two exchanges alone 24.9 ms, parameter server 21.7 ms).  From ``N = 3``
+the server's root carries ``N - 1`` times a leaf's bytes and the ring wins (about 2x at 4 ranks), as modelled.
+
 **Pipelining.**  A step cannot start forwarding chunk ``c`` until it has arrived and been added.  Cutting each
 chunk into *segments* lets a rank forward segment ``j`` while segment ``j+1`` is still arriving, so adding and
-moving overlap; the price is ``alpha`` per segment.  Sends and receives are non-blocking (``isend``/``irecv``):
-if every rank called a blocking ``send`` first, each would wait for a ``recv`` that nobody had posted yet.
+moving overlap, at ``alpha`` per segment.  Sends and receives are non-blocking (``isend``/``irecv``): if every
+rank called a blocking ``send`` first, each would wait for a ``recv`` nobody had posted.
+
+How large a segment?  On gloo over loopback ``alpha`` is mostly CPU time: Python, gloo's handshake (a
+message flows once its receiver has posted the receive) and waking the threads that wait, about 0.1 ms of
+CPU per message, sender and receiver together.  With more ranks than cores (4 ranks on 2 cores) the
+all-reduce is CPU-bound: every message's overhead shows in its time, and overlapping an add (about 0.1 ms per
+MiB) with a transfer gains nothing when no core is idle.  Segments are therefore large, ``SEGMENT_BYTES`` (4
+MiB): a chunk of up to 4 MiB travels as one message.  At 16 MiB on 4 ranks (all threads' CPU, eight runs on a
+loaded 2-core machine) 1 MiB segments took 12% more CPU than gloo's all-reduce, 4 MiB 2% less; in time 4 MiB
+took 0.99x gloo's, 1 MiB 1.08x, 256 KiB 1.49x (``benchmarks/bench_collectives.py --segment-bytes``).
 
 Reduce-scatter needs somewhere to receive before adding: ``RECEIVE_SLOTS`` segment-sized slots, reused
-round-robin and kept between calls (fresh pages from the kernel each call cost a few percent at 16 MiB).
-All-gather receives straight into place.  Under NCCL ``wait()`` orders CUDA streams instead of blocking; the
-code is written to stay correct there, but it is tested and tuned on gloo.
+round-robin and kept between calls (fresh pages from the kernel each call cost a few percent at 16 MiB);
+with up to ``RECEIVE_SLOTS`` segments to receive, every receive is posted before the first send, so no sender
+waits for its neighbour to be ready.  All-gather receives straight into place, all posted up front.  Under
+NCCL ``wait()`` orders CUDA streams instead of blocking; the code is written to stay correct there, but it is
+tested and tuned on gloo.
 
 **Broadcast** here is a *binomial tree* (MPICH's): in round ``k`` every rank that already has the data sends it
 to the rank ``2^(R-1-k)`` places further on, so the number of holders doubles every round and ``R = ceil(log2
@@ -43,15 +65,18 @@ close to ``n beta``, as the ring does for all-reduce.
 
 Results use the default process group or the one passed as ``group``; ranks in records are ranks *in that
 group* (positions on the ring).  Sums are computed in the tensor's dtype, as gloo and NCCL do.  Pass a list as
-``record`` to get one plain dict per message sent (who sent which chunk to whom at which step, and how many
-bytes), which is what the notebook animates and what the tests compare with the cost model
-(``labkit.costmodel.collectives``; ``labkit.measure.measure_alpha_beta`` fits alpha and beta on this machine).
+``record`` to get one plain dict per message sent (who sent which chunk to whom at which step, how many bytes,
+and when, as ``time.perf_counter()`` on the sender when it posted the send), which is what the notebook
+animates, what the tests compare with the cost model (``labkit.costmodel.collectives``;
+``labkit.measure.measure_alpha_beta`` fits alpha and beta on this machine), and, from the times, where a step
+waited.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,17 +88,8 @@ import torch.distributed as dist
 from labkit.costmodel.collectives import chunk_bounds
 from labkit.dist import global_rank, require_group
 
-# A segment is the unit of pipelining.  Small segments start forwarding sooner; large ones pay the
-# per-message cost (alpha, plus ~20 us of Python per isend/irecv) less often and hold bigger receive slots.
-# By default each chunk is cut into SEGMENTS_PER_CHUNK pieces, kept between the two bounds below.  On gloo over
-# loopback (benchmarks/bench_collectives.py) 4 MiB segments used the least CPU on 64 MiB messages; the speed
-# differences between 1, 2 and 4 MiB were within that machine's run-to-run noise (about 20%).
-SEGMENTS_PER_CHUNK = 4
-MIN_SEGMENT_BYTES = 1 << 20
-MAX_SEGMENT_BYTES = 4 << 20
-# Receives posted ahead in reduce-scatter (each needs a segment-sized buffer): enough slack for the left
-# neighbour to keep streaming while this rank adds.
-RECEIVE_SLOTS = 4
+SEGMENT_BYTES = 4 << 20  # the unit of pipelining: a chunk is cut into segments of at most this (see above)
+RECEIVE_SLOTS = 4  # receives posted ahead in reduce-scatter, each segment-sized: slack while this rank adds
 
 # --------------------------------------------------------------------------------------------------------
 # Arguments, groups and chunks
@@ -91,7 +107,8 @@ class _Ring:
               step: int, chunk: int, segment: int = 0) -> dist.Work:
         if record is not None:
             record.append({"algorithm": algorithm, "phase": phase, "step": step, "src": self.rank, "dst": dst,
-                           "chunk": chunk, "segment": segment, "bytes": tensor.numel() * tensor.element_size()})
+                           "chunk": chunk, "segment": segment, "bytes": tensor.numel() * tensor.element_size(),
+                           "time_s": time.perf_counter()})
         return dist.isend(tensor, self._global(dst), group=self.group)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> dist.Work:
@@ -145,11 +162,10 @@ def _segments(start: int, stop: int, segment_elements: int) -> list[tuple[int, i
     return [(begin, min(begin + segment_elements, stop)) for begin in range(start, stop, segment_elements)]
 
 
-def _segment_elements(tensor: torch.Tensor, segment_bytes: int | None, world_size: int) -> int:
-    """Elements per pipelined segment: ``segment_bytes`` when given, else a quarter of a chunk within bounds."""
+def _segment_elements(tensor: torch.Tensor, segment_bytes: int | None) -> int:
+    """Elements per pipelined segment: ``segment_bytes`` when given, else ``SEGMENT_BYTES``."""
     if segment_bytes is None:
-        chunk_bytes = -(-tensor.numel() // world_size) * tensor.element_size()
-        segment_bytes = min(MAX_SEGMENT_BYTES, max(MIN_SEGMENT_BYTES, chunk_bytes // SEGMENTS_PER_CHUNK))
+        segment_bytes = SEGMENT_BYTES
     elif isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1:
         raise ValueError(f"segment_bytes must be a positive int or None, got {segment_bytes!r}")
     return max(1, segment_bytes // tensor.element_size())
@@ -182,13 +198,13 @@ def ring_reduce_scatter(tensor: torch.Tensor, op: object = "sum", group: dist.Pr
     chunk holds the reduced values and the other chunks hold *partial* sums (whatever passed through this rank).
     The returned chunk is a view of ``tensor`` when ``tensor`` is contiguous, else a copy.  Cost per rank:
     ``N-1`` steps, ``(N-1)/N * n`` bytes sent and received, and ``RECEIVE_SLOTS`` segment-sized receive slots
-    (at most 16 MiB, kept for the next call).  ``segment_bytes=None`` picks the pipelining segment per message.
+    (at most 16 MiB, kept for the next call).  ``segment_bytes``: the pipelining segment (None: ``SEGMENT_BYTES``).
     """
     _check_tensor(tensor, record)
     average = _average(op, tensor)
     ring = _ring_of(group)
     with _flat_in_place(tensor) as flat:
-        _reduce_scatter_flat(flat, ring, average, record, _segment_elements(tensor, segment_bytes, ring.world_size))
+        _reduce_scatter_flat(flat, ring, average, record, _segment_elements(tensor, segment_bytes))
         start, stop = chunk_bounds(flat.numel(), ring.world_size)[ring.rank]
         return flat[start:stop]
 
@@ -204,7 +220,7 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     _check_tensor(tensor, record)
     ring = _ring_of(group)
     with _flat_in_place(tensor) as flat:
-        _all_gather_flat(flat, ring, record, _segment_elements(tensor, segment_bytes, ring.world_size))
+        _all_gather_flat(flat, ring, record, _segment_elements(tensor, segment_bytes))
     return tensor
 
 
@@ -218,7 +234,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: object = "sum", group: dist.Proces
     _check_tensor(tensor, record)
     average = _average(op, tensor)
     ring = _ring_of(group)
-    segment_elements = _segment_elements(tensor, segment_bytes, ring.world_size)
+    segment_elements = _segment_elements(tensor, segment_bytes)
     with _flat_in_place(tensor) as flat:
         _reduce_scatter_flat(flat, ring, average, record, segment_elements, algorithm="ring_all_reduce")
         _all_gather_flat(flat, ring, record, segment_elements, algorithm="ring_all_reduce")

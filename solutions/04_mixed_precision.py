@@ -21,8 +21,9 @@ import torch
 
 
 def unscale_gradients(parameters: list[torch.nn.Parameter], scale: float) -> bool:
-    """Divide the ``.grad`` of every parameter in ``parameters`` by ``scale``, in place (skip a parameter whose
-    ``.grad`` is ``None``).  Return ``True`` if any gradient holds an ``inf`` or a ``nan``, else ``False``."""
+    """Divide the ``.grad`` of every parameter in ``parameters`` by ``scale``, in place — all of them, even after
+    finding an overflow (skip a parameter whose ``.grad`` is ``None``).  Return ``True`` if any gradient holds an
+    ``inf`` or a ``nan``, else ``False``."""
     found_inf = False
     for parameter in parameters:
         if parameter.grad is None:
@@ -34,8 +35,9 @@ def unscale_gradients(parameters: list[torch.nn.Parameter], scale: float) -> boo
 
 
 def scaled_step(optimizer: torch.optim.Optimizer, scale: float) -> bool:
-    """Unscale the gradients of every parameter in ``optimizer.param_groups`` (with ``unscale_gradients``), then
-    call ``optimizer.step()`` only if none overflowed.  Return whether the optimizer stepped."""
+    """Unscale the gradients of every parameter in every group of ``optimizer.param_groups`` (with
+    ``unscale_gradients``), then call ``optimizer.step()`` only if none overflowed.  Return whether the optimizer
+    stepped."""
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
     found_inf = unscale_gradients(parameters, scale)
     if found_inf:

@@ -9,6 +9,7 @@ results must match torch *bit for bit* — a wrong chunk, a stale buffer or a mi
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -191,7 +192,8 @@ def _every_case_on_this_rank() -> dict:
                 check("subgroup", name, function(x.clone(), group=group), reference)
 
     return {"failures": failures, "cases": cases, "caught_wrong_answers": caught_wrong_answers,
-            "bytes_sent": _bytes_sent_by_this_rank(), "records": _recorded_all_reduce()}
+            "bytes_sent": _bytes_sent_by_this_rank(), "records": _recorded_all_reduce(),
+            "timed_record": _timed_record()}
 
 
 def _bytes_sent_by_this_rank() -> dict[tuple[str, int, str], int]:
@@ -221,6 +223,14 @@ def _recorded_all_reduce() -> list[dict]:
     record: list[dict] = []
     ring_all_reduce(torch.ones(12 * dist.get_world_size()), record=record)
     return record
+
+
+def _timed_record() -> tuple[float, list[float], float]:
+    """The send times of a ring all-reduce (3 segments per chunk), beside the times the call began and ended."""
+    record: list[dict] = []
+    begin = time.perf_counter()
+    ring_all_reduce(torch.ones(12 * dist.get_world_size()), record=record, segment_bytes=16)
+    return begin, [entry["time_s"] for entry in record], time.perf_counter()
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +328,15 @@ def test_records_follow_the_textbook_ring_schedule(reports, world_size):
         assert {entry["dst"] for entry in report["records"]} == {(rank + 1) % world_size}
         assert all(entry["algorithm"] == "ring_all_reduce" and entry["bytes"] == 12 * 4
                    for entry in report["records"]), report["records"]
+
+
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+def test_records_say_when_each_send_was_posted_within_the_call_in_order(reports, world_size):
+    for rank, report in enumerate(reports[world_size]):
+        begin, times, end = report["timed_record"]
+        assert len(times) == 2 * (world_size - 1) * 3, (rank, len(times))
+        assert begin <= times[0] and times[-1] <= end, (rank, begin, times, end)
+        assert times == sorted(times), f"rank {rank}: send times out of order: {times}"
 
 
 def test_cost_model_states_the_textbook_results():

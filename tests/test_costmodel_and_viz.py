@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipywidgets
 import pytest
 from matplotlib.figure import Figure
 
@@ -271,3 +272,145 @@ def test_memory_explorer_says_whether_the_model_fits():
     assert "does not fit" in verdict.value
     stage_slider.value = 3
     assert "<b>fits</b>" in verdict.value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every explorer as a learner drives it: redraw on release, the latest state shown, nothing cut off
+
+
+def _controls(widget):
+    """Every value control (slider, dropdown, checkbox, multi-select) inside ``widget``, in order."""
+    if isinstance(widget, ipywidgets.Box):
+        return [control for child in widget.children for control in _controls(child)]
+    return [widget] if isinstance(widget, ipywidgets.ValueWidget) and getattr(widget, "description", "") else []
+
+
+def _explorers(ring_records):
+    from labkit.costmodel.collectives import LinkModel
+
+    links = {"gloo, 10 Gb Ethernet (TCP)": LinkModel(50e-6, 1 / 1.25e9),
+             "NCCL, NVLink 4 (H100, in a node)": LinkModel(5e-6, 1 / 400e9)}
+    return {"why distributed": widgets.why_distributed_explorer(), "ring": widgets.ring_all_reduce_explorer(ring_records),
+            "alpha-beta": widgets.alpha_beta_explorer(links), "ddp step": widgets.ddp_step_explorer(links),
+            "lr schedule": widgets.lr_schedule_explorer(), "precision memory": widgets.precision_memory_explorer(),
+            "memory": widgets.memory_explorer()}
+
+
+def test_every_explorer_slider_redraws_on_release_and_no_description_is_cut(ring_records):
+    explorers = _explorers(ring_records)
+    controls = {name: _controls(explorer) for name, explorer in explorers.items()}
+    assert sum(map(len, controls.values())) == 31  # the lessons' explorers: 5 + 3 + 2 + 5 + 6 + 2 + 8
+    for name, found in controls.items():
+        sliders = [control for control in found if "continuous_update" in control.keys]
+        assert sliders, name
+        assert all(slider.continuous_update is False for slider in sliders), name
+        for control in found:
+            if not isinstance(control, ipywidgets.Checkbox):  # its description sits right of the box
+                assert int(control.style.description_width.removesuffix("ch")) > len(control.description), name
+        for dropdown in (control for control in found if isinstance(control, ipywidgets.Dropdown)):
+            longest = max(len(label) for label in dropdown._options_labels)
+            description = int(dropdown.style.description_width.removesuffix("ch"))
+            assert int(dropdown.layout.width.removesuffix("ch")) >= description + longest + 4, name
+
+
+def test_every_explorer_control_changes_its_figure(ring_records):
+    for name, explorer in _explorers(ring_records).items():
+        picture = next(child for child in explorer.children if isinstance(child, ipywidgets.Image))
+        for control in _controls(explorer):
+            before = bytes(picture.value)
+            if isinstance(control, ipywidgets.SelectMultiple):
+                control.value = control.value[:-1]
+            elif isinstance(control, ipywidgets.Checkbox):
+                control.value = not control.value
+            elif isinstance(control, ipywidgets.Dropdown):
+                control.value = next(option for option in control.options if option != control.value)
+            else:
+                control.value = control.max if control.value != control.max else control.min
+            assert bytes(picture.value) != before, f"{name}: moving {control.description!r} left the figure as it was"
+
+
+def test_lr_schedule_multi_select_shows_every_option():
+    explorer = widgets.lr_schedule_explorer()
+    multiples = next(c for c in _controls(explorer) if isinstance(c, ipywidgets.SelectMultiple))
+    assert multiples.rows >= len(multiples.options)
+
+
+def test_connect_draws_the_latest_state_once_a_draw_moves_another_control():
+    """A draw that clamps another control (as the ring explorer's step slider is) must not nest a second draw
+    whose figure the first would overwrite with older values: draws run one after another, the last one sees
+    the controls as they end."""
+    ranks = ipywidgets.IntSlider(value=4, min=2, max=8)
+    step = ipywidgets.IntSlider(value=6, min=0, max=6)
+    shown, active = [], []
+
+    def draw():
+        assert not active, "a draw started inside another"
+        active.append(1)
+        step.max = 2 * (ranks.value - 1)  # clamps step.value, which notifies the observers
+        shown.append((ranks.value, step.value))
+        active.pop()
+
+    widgets.connect([ranks, step], draw)
+    ranks.value = 2
+    assert shown[-1] == (ranks.value, step.value) == (2, 2)
+    assert ranks.continuous_update is False and step.continuous_update is False
+
+
+def test_connect_without_the_guard_would_show_a_stale_figure():
+    """The failure ``connect`` prevents, shown on plain ``observe``: the outer draw finishes last, with the
+    step it read before the nested draw clamped it."""
+    ranks = ipywidgets.IntSlider(value=4, min=2, max=8)
+    step = ipywidgets.IntSlider(value=6, min=0, max=6)
+    shown = []
+
+    def draw(_change=None):
+        seen = (ranks.value, step.value)
+        step.max = 2 * (ranks.value - 1)
+        shown.append(seen)
+
+    for control in (ranks, step):
+        control.observe(draw, names="value")
+    ranks.value = 2
+    assert shown[-1] != (ranks.value, step.value)
+
+
+def test_memory_explorer_figure_shows_the_chosen_stage():
+    explorer = widgets.memory_explorer(preset="llama-2-7b")
+    stage_slider = explorer.children[0].children[0].children[2]
+    pictures = set()
+    for stage in range(4):
+        stage_slider.value = stage
+        pictures.add(bytes(explorer.children[2].value))
+    assert len(pictures) == 4
+
+
+def test_memory_breakdown_highlights_the_chosen_configuration():
+    bars = {label: {"weights": 2e9 * (4 - i), "gradients": 1e9} for i, label in enumerate(["DP", "ZeRO-1", "ZeRO-2"])}
+    figure = training_plots.plot_memory_breakdown(bars, unit=1e9, unit_name="GB", highlight="ZeRO-1")
+    axis = figure.axes[0]
+    alphas = [[patch.get_alpha() for patch in container] for container in axis.containers[:2]]
+    assert alphas == [[0.3, 1.0, 0.3]] * 2
+    assert [t.get_text() for t in axis.texts] == ["7.0 GB"]  # the chosen bar's total
+    assert "chosen" in [t.get_text() for t in axis.get_legend().get_texts()]
+    assert all(handle.get_alpha() == 1.0 for handle in axis.get_legend().legend_handles[:2])
+    with pytest.raises(ValueError, match="highlight"):
+        training_plots.plot_memory_breakdown(bars, highlight="ZeRO-3")
+
+
+def test_step_breakdown_legend_has_hidden_communication_when_the_first_row_hides_none():
+    steps = {"1 rank": step_model.ddp_step_time(0.02, 1.0, 0.005, [10_000_000] * 4, 1, _link()),
+             "2 ranks, overlap": step_model.ddp_step_time(0.02, 1.0, 0.005, [10_000_000] * 4, 2, _link(), overlap=True)}
+    labels = [text.get_text() for text in plots.plot_step_breakdown(steps).axes[0].get_legend().get_texts()]
+    assert labels.count("hidden communication") == 1
+
+
+def test_loss_curves_that_coincide_are_drawn_apart_and_named():
+    base = [2.0 - 0.01 * step for step in range(60)]
+    curves = {"none": base, "fp16": [v + 1e-4 for v in base], "bf16": list(base), "top-k": [v + 0.3 for v in base]}
+    axis = plots.plot_loss_curves(curves, floor=0.5).axes[0]
+    lines = {line.get_label(): line for line in axis.get_lines()}
+    assert set(lines) == {"none", "fp16 (on top of none)", "bf16 (on top of none)", "top-k", "entropy floor 0.50"}
+    coinciding = [lines[label] for label in ("none", "fp16 (on top of none)", "bf16 (on top of none)")]
+    assert len({line.get_linestyle() for line in coinciding}) == 3
+    assert len({line.get_markevery()[0] for line in coinciding}) == 3  # staggered markers
+    assert lines["top-k"].get_linestyle() == "-"

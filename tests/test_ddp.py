@@ -4,7 +4,9 @@ Launching ranks is the slow part, so every case for one world size runs inside o
 and the tests read its report.  Models are tiny and float32; "equal" means ``torch.allclose(atol=1e-6)``
 after several SGD steps (the sums are taken in a different order than in one process, so bit-equality is not
 expected).  A control case (each rank training on its own slice, without DDP) is checked to *miss* that
-tolerance, so the comparison can fail.
+tolerance, so the comparison can fail.  Against torch's DDP on 2 ranks, with the same
+``gradient_as_bucket_view``, the parameters must be equal bit for bit: a sum of two numbers has one order, and
+dividing by 2 is exact.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from torch import nn
 
 from labkit import trace
 from labkit.launch import launch
+from labkit.measure import model_state_bytes
 from labkit.models import GPTConfig, TinyGPT
+from labkit.parallel.compression import FP16Compression, PowerSGDCompression, TopKCompression
 from labkit.parallel.ddp import DistributedDataParallel, assign_buckets
 
 ATOL = 1e-6
@@ -29,6 +33,7 @@ KINDS = ("mlp", "tied", "frozen")
 # 0: one bucket per parameter; 0.0003 MiB (314 bytes): the MLP's six tensors in three buckets;
 # 25: one bucket for everything.
 BUCKET_CAPS = (0.0, 0.0003, 25.0)
+VIEWS = (True, False)  # gradient_as_bucket_view
 Batch = tuple[torch.Tensor, ...]
 
 
@@ -117,10 +122,10 @@ def _slice(batch: Batch, rank: int, per_rank: int = PER_RANK_BATCH) -> Batch:
     return tuple(tensor[rank * per_rank:(rank + 1) * per_rank] for tensor in batch)
 
 
-def _train(model: nn.Module, batches: list[Batch]) -> None:
+def _train(model: nn.Module, batches: list[Batch], set_to_none: bool = True) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for x, y in batches:
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
 
@@ -153,16 +158,21 @@ def _every_case() -> dict:
         report["vs_single"][kind, "local only (control)"] = _max_difference(_state(local_only),
                                                                             _state(reference))
         for cap in BUCKET_CAPS:
-            torch_ddp = nn.parallel.DistributedDataParallel(_model(kind, seed=rank), bucket_cap_mb=cap)
-            _train(torch_ddp, mine)
+            torch_ddp = {}
+            for view in VIEWS:
+                torch_ddp[view] = nn.parallel.DistributedDataParallel(_model(kind, seed=rank), bucket_cap_mb=cap,
+                                                                      gradient_as_bucket_view=view)
+                _train(torch_ddp[view], mine)
             for overlap in (True, False):
-                ddp = DistributedDataParallel(_model(kind, seed=rank), bucket_cap_mb=cap, overlap=overlap)
-                _train(ddp, mine)
-                report["vs_single"][kind, cap, overlap] = _max_difference(_state(ddp), _state(reference))
-                report["vs_torch"][kind, cap, overlap] = _max_difference(_state(ddp),
-                                                                         _state(torch_ddp.module))
-                report["states"][kind, cap, overlap] = _state(ddp)
-                report["measured"][kind, cap, overlap] = ddp.communication_per_step()
+                for view in VIEWS:
+                    ddp = DistributedDataParallel(_model(kind, seed=rank), bucket_cap_mb=cap, overlap=overlap,
+                                                  gradient_as_bucket_view=view)
+                    _train(ddp, mine)
+                    case = kind, cap, overlap, view
+                    report["vs_single"][case] = _max_difference(_state(ddp), _state(reference))
+                    report["vs_torch"][case] = _max_difference(_state(ddp), _state(torch_ddp[view].module))
+                    report["states"][case] = _state(ddp)
+                    report["measured"][case] = ddp.communication_per_step()
             report["buckets"][kind, cap] = ddp.buckets
             report["predicted"][kind, cap] = ddp.predicted_communication()
 
@@ -175,6 +185,8 @@ def _every_case() -> dict:
     report.update(_subgroup_case(rank, world_size))
     report.update(_pipeline_order_case(rank, world_size))
     report.update(_sync_decided_at_backward_case(rank, world_size))
+    report.update(_bucket_view_case(rank, world_size))
+    report.update(_compression_case(mine))
     try:  # rank-dependent architectures must fail on every rank, not hang
         DistributedDataParallel(nn.Linear(6, 6 + (rank == world_size - 1)))
         report["different_models"] = "no error"
@@ -199,39 +211,60 @@ def _batchnorm_case(rank: int, mine: list) -> dict:
             "batchnorm_communication": (ours.communication_per_step(), ours.predicted_communication())}
 
 
+NO_SYNC_MODES = ((True, True), (True, False), (False, True))  # (gradient_as_bucket_view, zero_grad set_to_none)
+
+
 def _no_sync_case(rank: int, world_size: int) -> dict:
-    """Two optimizer steps, each accumulating 3 micro-batches (the first 2 under no_sync)."""
-    micro_batches, steps = 3, 2
+    """Three optimizer steps, each accumulating 3 micro-batches (the first 2 under no_sync), for each mode of
+    NO_SYNC_MODES: with views and ``zero_grad(set_to_none=False)`` the micro-batches accumulate into the
+    buckets themselves from the second step on."""
+    micro_batches, steps = 3, 3
     batches = _full_batches(steps * micro_batches, world_size)
     reference = _model("mlp", seed=0)
     _train(reference, [tuple(torch.cat(parts) for parts in zip(*batches[i:i + micro_batches], strict=True))
                        for i in range(0, len(batches), micro_batches)])
-    results, grads_differ_after_no_sync = {}, []
-    for name, wrap in (("ours", lambda m: DistributedDataParallel(m, bucket_cap_mb=0.0003)),
-                       ("torch", lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=0.0003))):
-        model = wrap(_model("mlp", seed=rank))
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        for start in range(0, len(batches), micro_batches):
-            optimizer.zero_grad()
-            for index in range(start, start + micro_batches):
-                x, y = _slice(batches[index], rank)
-                if index < start + micro_batches - 1:
-                    with model.no_sync():
+    found = {}
+    for view, set_to_none in NO_SYNC_MODES:
+        results, grads_differ_after_no_sync, accumulated_in_bucket = {}, [], []
+        for name in ("ours", "torch"):
+            if name == "ours":
+                model = DistributedDataParallel(_model("mlp", seed=rank), bucket_cap_mb=0.0003,
+                                                gradient_as_bucket_view=view)
+            else:
+                model = nn.parallel.DistributedDataParallel(_model("mlp", seed=rank), bucket_cap_mb=0.0003,
+                                                            gradient_as_bucket_view=view)
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+            for start in range(0, len(batches), micro_batches):
+                optimizer.zero_grad(set_to_none=set_to_none)
+                for index in range(start, start + micro_batches):
+                    x, y = _slice(batches[index], rank)
+                    if index < start + micro_batches - 1:
+                        with model.no_sync():
+                            (nn.functional.mse_loss(model(x), y) / micro_batches).backward()
+                        if name == "ours":  # nothing was averaged: the ranks' gradients still differ
+                            local = model.module.first.weight.grad
+                            accumulated_in_bucket.append(_in_a_bucket(model, local))
+                            everyone = [torch.empty_like(local) for _ in range(world_size)]
+                            dist.all_gather(everyone, local.clone())
+                            grads_differ_after_no_sync.append(not torch.equal(everyone[0], everyone[1]))
+                    else:
                         (nn.functional.mse_loss(model(x), y) / micro_batches).backward()
-                    if name == "ours":  # nothing was averaged: the ranks' gradients still differ
-                        local = model.module.first.weight.grad.clone()
-                        everyone = [torch.empty_like(local) for _ in range(world_size)]
-                        dist.all_gather(everyone, local)
-                        grads_differ_after_no_sync.append(not torch.equal(everyone[0], everyone[1]))
-                else:
-                    (nn.functional.mse_loss(model(x), y) / micro_batches).backward()
-            optimizer.step()
-        results[name] = _state(model.module)
-        if name == "ours":
-            communication = (model.communication_per_step(), model.predicted_communication())
-    return {"no_sync_vs_single": _max_difference(results["ours"], _state(reference)),
-            "no_sync_vs_torch": _max_difference(results["ours"], results["torch"]),
-            "grads_differ_after_no_sync": grads_differ_after_no_sync, "no_sync_communication": communication}
+                optimizer.step()
+            results[name] = _state(model.module)
+            if name == "ours":
+                communication = (model.communication_per_step(), model.predicted_communication())
+        found[view, set_to_none] = {
+            "vs_single": _max_difference(results["ours"], _state(reference)),
+            "vs_torch": _max_difference(results["ours"], results["torch"]),
+            "grads_differ_after_no_sync": grads_differ_after_no_sync, "communication": communication,
+            "accumulated_in_bucket": accumulated_in_bucket}
+    return {"no_sync": found}
+
+
+def _in_a_bucket(ddp: DistributedDataParallel, tensor: torch.Tensor | None) -> bool:
+    """Whether ``tensor`` shares its storage with one of ``ddp``'s bucket buffers."""
+    buckets = {bucket.buffer.untyped_storage().data_ptr() for bucket in ddp._buckets}
+    return tensor is not None and tensor.untyped_storage().data_ptr() in buckets
 
 
 def _finish_case(rank: int, mine: list) -> dict:
@@ -256,11 +289,11 @@ def _unused_parameter_case(rank: int) -> dict:
     torch.manual_seed(0)
     x = torch.randn(4, 6) + rank
     grads, unused = {}, None
-    for name in ("ours", "torch"):
+    for name in ("ours", "ours (copies)", "torch"):
         torch.manual_seed(0)
         model = Branchy()
-        if name == "ours":
-            wrapped = DistributedDataParallel(model, bucket_cap_mb=0.0)
+        if name.startswith("ours"):
+            wrapped = DistributedDataParallel(model, bucket_cap_mb=0.0, gradient_as_bucket_view=name == "ours")
         else:
             wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0,
                                                           find_unused_parameters=True)
@@ -268,6 +301,7 @@ def _unused_parameter_case(rank: int) -> dict:
         grads[name] = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         if name == "ours":
             unused = wrapped.unused_parameters
+            grads["ours in buckets"] = {n: _in_a_bucket(wrapped, p.grad) for n, p in model.named_parameters()}
     return {"unused_grads": grads, "unused_parameters": unused}
 
 
@@ -365,10 +399,10 @@ def _pipeline_order_case(rank: int, world_size: int) -> dict:
         expected.append((gradients, torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)))
         optimizer.step()
     found = {}
-    for cap in PIPELINE_CAPS:
-        ddp = DistributedDataParallel(TinyGPT(GPT, seed=rank), bucket_cap_mb=cap)
+    for cap, view in [(cap, view) for cap in PIPELINE_CAPS for view in VIEWS]:
+        ddp = DistributedDataParallel(TinyGPT(GPT, seed=rank), bucket_cap_mb=cap, gradient_as_bucket_view=view)
         optimizer = _gpt_optimizer(ddp.module)
-        gradient_error, norm_error, silent, counted = 0.0, 0.0, [], []
+        gradient_error, norm_error, silent, counted, in_buckets = 0.0, 0.0, [], [], []
         for (x, y), (gradients, norm) in zip(batches, expected, strict=True):
             optimizer.zero_grad()
             rows = [slice((rank * MICRO_BATCHES + j) * per_micro, (rank * MICRO_BATCHES + j + 1) * per_micro)
@@ -381,12 +415,14 @@ def _pipeline_order_case(rank: int, world_size: int) -> dict:
             ddp.reduce_gradients()
             ddp.set_requires_gradient_sync(True)
             counted.append(ddp.communication_per_step() == ddp.predicted_communication())
+            in_buckets.append(all(_in_a_bucket(ddp, p.grad) for p in ddp.module.parameters()))
             gradient_error = max(gradient_error, _max_difference(ddp.gradients(), gradients))
             norm_error = max(norm_error, abs(ddp.clip_grad_norm_(MAX_NORM).item() - norm.item()))
             optimizer.step()
-        found[cap] = {"gradients": gradient_error, "norm": norm_error, "buckets": len(ddp.buckets),
-                      "parameters": _max_difference(_state(ddp), _state(reference)),
-                      "silent_during_backward": silent, "one_reduction_counted": counted}
+        found[cap, view] = {"gradients": gradient_error, "norm": norm_error, "buckets": len(ddp.buckets),
+                            "parameters": _max_difference(_state(ddp), _state(reference)),
+                            "silent_during_backward": silent, "one_reduction_counted": counted,
+                            "gradients_in_buckets": in_buckets}
     return {"pipeline": found, "pipeline_norms": [norm.item() for _, norm in expected]}
 
 
@@ -413,6 +449,83 @@ def _sync_decided_at_backward_case(rank: int, world_size: int) -> dict:
             "backward_in_no_sync": (ddp.communication_per_step(), torch.equal(everyone[0], everyone[1]))}
 
 
+def _gradient_offsets(ddp: DistributedDataParallel) -> dict[str, tuple[int, int]]:
+    """``{name: (bucket, byte offset)}`` where each parameter's gradient lies in the buckets (``ddp.buckets``)."""
+    where = {}
+    for index, bucket in enumerate(ddp.buckets):
+        offset = 0
+        for name, nbytes in bucket:
+            where[name] = (index, offset)
+            offset += nbytes
+    return where
+
+
+def _gradient_places(ddp: DistributedDataParallel) -> dict[str, tuple[int, int] | None]:
+    """``{name: (bucket, byte offset)}`` of each trainable parameter's ``.grad``; None when it is not in a bucket."""
+    starts = {bucket.buffer.untyped_storage().data_ptr(): index for index, bucket in enumerate(ddp._buckets)}
+    places = {}
+    for name, p in ddp.module.named_parameters():
+        if p.requires_grad:
+            storage = None if p.grad is None else p.grad.untyped_storage().data_ptr()
+            places[name] = (starts[storage], p.grad.data_ptr() - storage) if storage in starts else None
+    return places
+
+
+def _bucket_view_case(rank: int, world_size: int) -> dict:
+    """TinyGPT (tied embeddings) with a frozen layer norm: where the gradients live, what memory_breakdown()
+    counts, and a zero_grad(set_to_none=True) step against one process."""
+    batches = _gpt_batches(3, world_size * 2)
+    found = {}
+    for view in VIEWS:
+        model = TinyGPT(GPT, seed=0)
+        model.final_norm.requires_grad_(False)
+        reference = TinyGPT(GPT, seed=0)
+        reference.final_norm.requires_grad_(False)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.002, gradient_as_bucket_view=view)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        case: dict = {"expected_places": _gradient_offsets(ddp), "places": [], "same_storages": [],
+                      "gradient_error": 0.0, "memory": [], "model_state_gradients": []}
+        storages = None
+        for x, y in batches:
+            for wrapped, opt, inputs in ((ddp, optimizer, (x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])),
+                                         (reference, reference_optimizer, (x, y))):
+                opt.zero_grad(set_to_none=True)
+                wrapped(*inputs)[1].backward()
+            now = [p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None]
+            case["same_storages"].append(storages is None or now == storages)
+            storages = now
+            case["places"].append(_gradient_places(ddp))
+            case["gradient_error"] = max(case["gradient_error"], _max_difference(
+                {n: g for n, g in ddp.gradients().items() if g is not None},
+                {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}))
+            optimizer.step()
+            reference_optimizer.step()
+            case["memory"].append(ddp.memory_breakdown(optimizer))
+            case["model_state_gradients"].append(model_state_bytes(model, optimizer)["gradients"])
+        case["trainable_bytes"] = sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
+        case["parameters"] = _max_difference(_state(ddp), _state(reference))
+        found[view] = case
+    return {"bucket_view": found}
+
+
+def _compression_case(mine: list) -> dict:
+    """Each compressor trains the same with .grad as views of the buckets and with copies (bit for bit)."""
+    found = {}
+    for name, compression in (("fp16", FP16Compression), ("topk", lambda: TopKCompression(0.25)),
+                              ("powersgd", lambda: PowerSGDCompression(rank=1))):
+        states, in_buckets = {}, {}
+        for view in VIEWS:
+            ddp = DistributedDataParallel(_model("mlp", seed=0), bucket_cap_mb=0.0003, compression=compression(),
+                                          gradient_as_bucket_view=view)
+            _train(ddp, mine)
+            states[view] = _state(ddp)
+            in_buckets[view] = all(_in_a_bucket(ddp, p.grad) for p in ddp.module.parameters())
+        found[name] = {"difference": _max_difference(states[True], states[False]), "in_buckets": in_buckets,
+                       "moved": _max_difference(states[True], _state(_model("mlp", seed=0)))}
+    return {"compression": found}
+
+
 @pytest.fixture(scope="module")
 def reports() -> dict[int, list[dict]]:
     return {world_size: launch(_every_case, nprocs=world_size, timeout=120, rank_output="none")
@@ -429,10 +542,11 @@ def test_ddp_training_equals_single_process_training_on_the_concatenated_batch(r
     for rank, report in enumerate(reports[world_size]):
         for cap in BUCKET_CAPS:
             for overlap in (True, False):
-                difference = report["vs_single"][kind, cap, overlap]
-                assert difference <= ATOL, (f"{kind}, bucket_cap_mb={cap}, overlap={overlap}, rank {rank}/"
-                                            f"{world_size}: parameters differ from single-process by "
-                                            f"{difference:.2e}")
+                for view in VIEWS:
+                    difference = report["vs_single"][kind, cap, overlap, view]
+                    assert difference <= ATOL, (f"{kind}, bucket_cap_mb={cap}, overlap={overlap}, view={view}, "
+                                                f"rank {rank}/{world_size}: parameters differ from single-process "
+                                                f"by {difference:.2e}")
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
@@ -443,13 +557,17 @@ def test_the_comparison_rejects_training_on_one_ranks_slice_only(reports, world_
 
 @pytest.mark.parametrize("world_size", (2, 3))
 @pytest.mark.parametrize("kind", KINDS)
-def test_ddp_training_equals_torch_ddp_with_the_same_bucket_size(reports, world_size, kind):
+def test_ddp_training_equals_torch_ddp_with_the_same_bucket_size_and_gradient_as_bucket_view(reports,
+                                                                                             world_size, kind):
+    tolerance = 0.0 if world_size == 2 else ATOL  # two ranks: one order of summation, an exact division
     for rank, report in enumerate(reports[world_size]):
         for cap in BUCKET_CAPS:
             for overlap in (True, False):
-                difference = report["vs_torch"][kind, cap, overlap]
-                assert difference <= ATOL, (f"{kind}, bucket_cap_mb={cap}, overlap={overlap}, rank {rank}: "
-                                            f"parameters differ from torch DDP by {difference:.2e}")
+                for view in VIEWS:
+                    difference = report["vs_torch"][kind, cap, overlap, view]
+                    assert difference <= tolerance, (f"{kind}, bucket_cap_mb={cap}, overlap={overlap}, "
+                                                     f"view={view}, rank {rank}: parameters differ from torch "
+                                                     f"DDP by {difference:.2e}")
 
 
 def test_every_rank_ends_with_bit_identical_parameters(reports):
@@ -476,7 +594,9 @@ def test_buckets_are_filled_last_parameter_first_within_the_cap(reports):
             assert len(bucket) == 1 or sum(nbytes for _, nbytes in bucket) <= cap * 1024 * 1024, (cap, bucket)
         assert report["predicted"]["mlp", cap] == {"all_reduce": sum(sizes.values())}
         for overlap in (True, False):
-            assert report["measured"]["mlp", cap, overlap] == report["predicted"]["mlp", cap], (cap, overlap)
+            for view in VIEWS:
+                assert report["measured"]["mlp", cap, overlap, view] == report["predicted"]["mlp", cap], (cap,
+                                                                                                        overlap)
     assert len(report["buckets"]["mlp", 0.0]) == len(names)
     assert len(report["buckets"]["mlp", 25.0]) == 1
     assert [[name for name, _ in bucket] for bucket in report["buckets"]["mlp", 0.0003]] == [
@@ -533,27 +653,34 @@ def test_buffer_broadcasts_are_counted_once_per_step_beside_the_gradient_all_red
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
-def test_no_sync_accumulation_over_micro_batches_equals_one_large_batch(reports, world_size):
+@pytest.mark.parametrize("view, set_to_none", NO_SYNC_MODES)
+def test_no_sync_accumulation_over_micro_batches_equals_one_large_batch(reports, world_size, view, set_to_none):
     for rank, report in enumerate(reports[world_size]):
-        assert report["no_sync_vs_single"] <= ATOL, f"rank {rank}: {report['no_sync_vs_single']:.2e}"
-        assert report["no_sync_vs_torch"] <= ATOL, f"rank {rank}: {report['no_sync_vs_torch']:.2e}"
-        assert report["grads_differ_after_no_sync"] and all(report["grads_differ_after_no_sync"]), \
+        found = report["no_sync"][view, set_to_none]
+        assert found["vs_single"] <= ATOL, f"rank {rank}: {found['vs_single']:.2e}"
+        assert found["vs_torch"] <= (0.0 if world_size == 2 else ATOL), f"rank {rank}: {found['vs_torch']:.2e}"
+        assert found["grads_differ_after_no_sync"] and all(found["grads_differ_after_no_sync"]), \
             "gradients were equal across ranks after a no_sync backward: something communicated"
-        measured, predicted = report["no_sync_communication"]
+        measured, predicted = found["communication"]
         assert measured == predicted, "three micro-batches, one synchronised: one all-reduce of the gradients"
+        # set_to_none=False keeps the views: from the second step on, no_sync accumulates in the bucket itself
+        expected = [view and not set_to_none and index >= 2 for index in range(len(found["accumulated_in_bucket"]))]
+        assert found["accumulated_in_bucket"] == expected, found["accumulated_in_bucket"]
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
 @pytest.mark.parametrize("cap", PIPELINE_CAPS)
+@pytest.mark.parametrize("view", VIEWS)
 def test_m_forwards_then_m_unsynchronised_backwards_then_reduce_gradients_equals_one_process(reports,
-                                                                                             world_size, cap):
+                                                                                             world_size, cap, view):
     for rank, report in enumerate(reports[world_size]):
-        found = report["pipeline"][cap]
+        found = report["pipeline"][cap, view]
         assert found["gradients"] <= ATOL, f"rank {rank}: gradients differ by {found['gradients']:.2e}"
         assert found["parameters"] <= ATOL, f"rank {rank}: parameters differ by {found['parameters']:.2e}"
         assert found["silent_during_backward"] == [{}, {}], "a backward pass with sync off communicated"
         assert found["one_reduction_counted"] == [True, True]
-    buckets = {cap: reports[world_size][0]["pipeline"][cap]["buckets"] for cap in PIPELINE_CAPS}
+        assert found["gradients_in_buckets"] == [view, view], "reduce_gradients() left .grad outside the buckets"
+    buckets = {cap: reports[world_size][0]["pipeline"][cap, view]["buckets"] for cap in PIPELINE_CAPS}
     assert buckets[0.0] > buckets[0.002] > buckets[25.0] == 1, buckets
 
 
@@ -561,8 +688,8 @@ def test_m_forwards_then_m_unsynchronised_backwards_then_reduce_gradients_equals
 def test_clip_grad_norm_equals_torch_clip_grad_norm_on_one_process_with_the_whole_batch(reports, world_size):
     assert min(reports[world_size][0]["pipeline_norms"]) > 2 * MAX_NORM  # the clipping changed the gradients
     for rank, report in enumerate(reports[world_size]):
-        for cap in PIPELINE_CAPS:
-            assert report["pipeline"][cap]["norm"] <= ATOL, (rank, cap, report["pipeline"][cap]["norm"])
+        for case, found in report["pipeline"].items():
+            assert found["norm"] <= ATOL, (rank, case, found["norm"])
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
@@ -586,15 +713,70 @@ def test_finish_gradient_synchronization_is_idempotent_and_issues_no_stray_colle
 def test_a_parameter_unused_on_some_ranks_gets_the_same_mean_as_torch_find_unused_parameters(reports,
                                                                                             world_size):
     for rank, report in enumerate(reports[world_size]):
-        ours, theirs = report["unused_grads"]["ours"], report["unused_grads"]["torch"]
-        for name in ("main.weight", "main.bias", "branch.weight", "branch.bias"):
-            assert torch.allclose(ours[name], theirs[name], atol=ATOL), (rank, name)
+        theirs = report["unused_grads"]["torch"]
+        for ours in (report["unused_grads"]["ours"], report["unused_grads"]["ours (copies)"]):
+            for name in ("main.weight", "main.bias", "branch.weight", "branch.bias"):
+                assert torch.allclose(ours[name], theirs[name], atol=ATOL), (rank, name)
+            assert torch.equal(ours["spare.weight"], torch.zeros(6, 6))  # ours: zeros (documented)
         assert theirs["spare.weight"] is None  # torch leaves a parameter no rank used without a gradient
-        assert torch.equal(ours["spare.weight"], torch.zeros(6, 6))  # ours: zeros (documented)
+        assert all(report["unused_grads"]["ours in buckets"].values()), "an unused parameter's .grad is no view"
         expected_unused = {"spare.weight", "spare.bias"}
         if rank > 0:
             expected_unused |= {"branch.weight", "branch.bias"}
         assert set(report["unused_parameters"]) == expected_unused
+
+
+# --------------------------------------------------------------------------------------------------------
+# Gradients as views of the buckets
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_each_grad_is_a_view_at_its_place_in_its_bucket_and_copies_are_not(reports, world_size):
+    for rank, report in enumerate(reports[world_size]):
+        views, copies = report["bucket_view"][True], report["bucket_view"][False]
+        expected = views["expected_places"]
+        assert len(set(index for index, _ in expected.values())) > 1 and "final_norm.weight" not in expected
+        for places in views["places"]:
+            assert places == expected, f"rank {rank}: {places} != {expected}"
+        for places in copies["places"]:  # the check rejects gradients that are not the bucket
+            assert set(places.values()) == {None}, places
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_zero_grad_set_to_none_then_backward_puts_the_right_gradient_back_into_the_same_buckets(reports,
+                                                                                                world_size):
+    for rank, report in enumerate(reports[world_size]):
+        for view in VIEWS:
+            case = report["bucket_view"][view]
+            assert case["gradient_error"] <= ATOL and case["parameters"] <= ATOL, (rank, view, case)
+        views = report["bucket_view"][True]
+        assert views["same_storages"] == [True, True, True], "a step moved the gradients to new storage"
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_memory_breakdown_counts_one_gradient_sized_buffer_with_views_and_two_with_copies(reports, world_size):
+    for report in reports[world_size]:
+        views, copies = report["bucket_view"][True], report["bucket_view"][False]
+        psi = views["trainable_bytes"]
+        for memory in views["memory"]:
+            assert memory["gradients"] == psi, memory
+        for memory in copies["memory"]:
+            assert memory["gradients"] == 2 * psi, memory  # the .grad and the buckets beside them
+        for a, b in zip(views["memory"], copies["memory"], strict=True):
+            assert {k: v for k, v in a.items() if k != "gradients"} == {k: v for k, v in b.items()
+                                                                        if k != "gradients"}
+        # model_state_bytes sees only the .grad: a bucket's views counted once, as the whole bucket
+        assert views["model_state_gradients"] == copies["model_state_gradients"] == [psi] * 3
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("name", ("fp16", "topk", "powersgd"))
+def test_compression_trains_the_same_with_gradients_as_views_and_as_copies(reports, world_size, name):
+    for rank, report in enumerate(reports[world_size]):
+        found = report["compression"][name]
+        assert found["moved"] > 100 * ATOL  # the training changed the weights
+        assert found["difference"] == 0.0, (rank, name, found)
+        assert found["in_buckets"] == {True: True, False: False}, found
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -646,6 +828,8 @@ def test_bad_arguments_raise_naming_the_value_before_any_communication():
         DistributedDataParallel([nn.Linear(2, 2)])
     with pytest.raises(TypeError, match="overlap.*'yes'"):
         DistributedDataParallel(MLP(), overlap="yes")
+    with pytest.raises(TypeError, match="gradient_as_bucket_view.*1"):
+        DistributedDataParallel(MLP(), gradient_as_bucket_view=1)
     with pytest.raises(TypeError, match="launch.*complete"):
         DistributedDataParallel(MLP(), compression=object())
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from labkit import grading
+from labkit.grading import guard
 from labkit.grading.checkers import collectives as collectives_checks
 from labkit.grading.checkers import data_parallel as data_parallel_checks
 from labkit.grading.checkers import lr_scaling as lr_scaling_checks
@@ -60,6 +61,58 @@ def test_plausible_wrong_answers_fail_exactly_the_checks_that_catch_them(answer,
     checks = importlib.import_module(grading.EXERCISES[answer.topic][1]).CHECKS
     report = grading.check(answer.topic, directory=answer.write(tmp_path).parent, verbose=False)
     assert _failed(report) == {grading.check_name(checks[index]) for index in answer.caught_by}
+
+
+def test_every_check_runs_the_students_code_under_the_guard():
+    for topic, (_file, checker, _title) in grading.EXERCISES.items():
+        for check in importlib.import_module(checker).CHECKS:
+            assert getattr(check, "guarded", False), f"{topic}: {check.__name__} is not decorated with no_shortcuts"
+
+
+def test_the_guard_refuses_labkits_implementations_however_they_were_bound_and_puts_them_back():
+    import functools
+    import types
+
+    import labkit.collectives
+    import labkit.lr
+    from labkit.lr import scaled_lr  # bound before the guard, as a student's file would at import
+    from labkit.precision import DynamicLossScaler
+
+    student = types.ModuleType("student")
+    student.bound, student.partial = scaled_lr, functools.partial(scaled_lr, 0.1)
+
+    def with_default(rule=labkit.lr.scaled_lr):
+        return rule(0.1, 32, 64)
+
+    calls = [lambda: labkit.lr.scaled_lr(0.1, 32, 64), lambda: student.bound(0.1, 32, 64),
+             lambda: student.partial(32, 64), with_default, DynamicLossScaler,
+             lambda: labkit.collectives.chunk_bounds(10, 4)]
+    with guard.forbid(student):
+        for call in calls:
+            with pytest.raises(guard.Forbidden, match="labkit's own implementation"):
+                call()
+    assert scaled_lr(0.1, 32, 64) == with_default() == 0.2 and DynamicLossScaler().get_scale() > 0
+    with guard.forbid(student, allow=["labkit.costmodel.collectives.chunk_bounds"]):
+        assert labkit.collectives.chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+
+def _grows_late(scale, found_inf, good_steps, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+    if found_inf:
+        return scale * backoff_factor, 0
+    good_steps += 1
+    if good_steps > growth_interval:
+        return scale * growth_factor, 0
+    return scale, good_steps
+
+
+def test_the_update_scale_hint_says_what_was_observed():
+    module = type("Student", (), {"update_scale": staticmethod(_grows_late)})
+    with pytest.raises(grading.CheckFailed) as failure:
+        mixed_precision_checks.check_update_scale.__wrapped__(module)
+    message = str(failure.value)
+    assert "never grows" not in message
+    assert "good step 3 in a row, which completes growth_interval=3" in message
+    assert "yours kept the scale at 65536 and counted 3" in message
 
 
 def test_every_exercise_has_wrong_answers_that_apply_to_its_solution(tmp_path):

@@ -7,6 +7,10 @@ when ``LABKIT_SOLUTIONS=1``, which is how CI proves the checkers and the noteboo
     from labkit import grading
     grading.check("setup")
 
+In solutions mode a failing check raises ``AssertionError`` after the report (the reference must pass: this is
+what nbval proves in CI); in the student's mode nothing raises, the score is the answer.  :func:`trying`
+turns an unfinished stub in a notebook's try-it cell into a line saying what to do next.
+
 Every check runs in its own child process with a time limit, so student code that crashes, hangs in a
 collective, or loops for ever becomes a failed check with a message — never a stuck notebook.
 """
@@ -17,11 +21,13 @@ import importlib.util
 import io
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -116,7 +122,35 @@ def check(topic: str, *, solutions: bool | None = None, directory: str | os.Path
     if verbose:
         print(f"Score: {report.passed}/{report.total}" + ("  — all checks passed!" if report.all_passed else ""))
         report.printed = True
+    if _solutions_mode(solutions) and directory is None and not report.all_passed:
+        failed = ", ".join(result.name for result in report.checks if not result.passed)
+        raise AssertionError(f"the reference solution {path} fails its own checks: {failed}")
     return report
+
+
+@contextmanager
+def trying(topic: str) -> Iterator[None]:
+    """Run a notebook's "try your functions" cell: an unfinished stub becomes a line saying what to do next.
+
+    ``NotImplementedError`` raised by the exercise (here, or inside a rank of a ``launch``) is caught and
+    reported in a line or two; every other error is left alone, so a real bug still shows its traceback::
+
+        with grading.trying("setup"):
+            print(exercise.shard_bounds(10, 0, 4))
+    """
+    if topic not in EXERCISES:
+        raise ValueError(f"unknown exercise topic {topic!r}; known topics: {', '.join(EXERCISES)}")
+    try:
+        yield
+    except (NotImplementedError, launch_module.RankFailed) as error:
+        text = error.remote_traceback if isinstance(error, launch_module.RankFailed) else \
+            "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        if "NotImplementedError" not in text:
+            raise
+        names = re.findall(r'File "[^"]*exercises[/\\][^"]*", line \d+, in (\w+)', text)
+        what = f"`{names[-1]}`" if names else "a function"
+        print(f"✗ {what} is not written yet: complete it in exercises/{EXERCISES[topic][0]}, save, then run this "
+              "cell again.\n  The grading cell below checks all of them and gives a hint for each.")
 
 
 def grade_all(*, solutions: bool | None = None, directory: str | os.PathLike | None = None,
@@ -239,6 +273,8 @@ def _run_check_here(check_fn, path) -> tuple[bool, str]:
         return False, f"not implemented yet ({error or 'NotImplementedError'}): complete the TODO"
     except launch_module.RankFailed as failure:
         last = failure.remote_traceback.strip().splitlines()[-1]
+        if last.startswith(_FORBIDDEN):  # the guard refused a shortcut: its message is the hint
+            return False, f"rank {failure.rank} {last[len(_FORBIDDEN):]}"
         if last.startswith("NotImplementedError"):
             what = last.partition(":")[2].strip() or "NotImplementedError"
             return False, f"not implemented yet ({what}, raised on rank {failure.rank}): complete the TODO"
@@ -249,6 +285,9 @@ def _run_check_here(check_fn, path) -> tuple[bool, str]:
     except BaseException as error:
         last = traceback.format_exception_only(type(error), error)[-1].strip()
         return False, f"raised {last}"
+
+
+_FORBIDDEN = "labkit.grading.guard.Forbidden: "  # how a rank's traceback names guard.Forbidden
 
 
 def _crash_message(process) -> str:

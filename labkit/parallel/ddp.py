@@ -10,8 +10,9 @@ with that slice's statistics (``torch.nn.SyncBatchNorm`` all-reduces them instea
 
 **Cost.**  A model with ``Psi`` trainable parameters of ``b`` bytes all-reduces ``n = Psi * b`` bytes per step
 (``predicted_communication()``, held against the measured ``communication_per_step()``); a ring all-reduce puts
-``2 (N-1)/N * n`` bytes on each rank's link in ``2 (N-1)`` messages (``labkit.collectives``).  Memory: one extra
-gradient-sized buffer (the buckets below).
+``2 (N-1)/N * n`` bytes on each rank's link in ``2 (N-1)`` messages (``labkit.collectives``).  Memory: none
+beyond one process's, since the gradients live in the buckets below (with ``gradient_as_bucket_view=False``, one
+extra gradient-sized buffer).
 
 **Buckets** (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020).
 One all-reduce per parameter pays the per-message latency ``alpha`` once per tensor (a transformer has
@@ -27,24 +28,36 @@ been accumulated into ``.grad``.  When a bucket's last gradient arrives, the buc
 ``T_backward + T_comm`` towards ``max(T_backward, T_comm)`` plus the last bucket's all-reduce.  Every rank
 must issue its collectives in the same order, so buckets are launched strictly in index order: a ready bucket
 waits for the buckets before it (as PyTorch's Reducer does).  The first hook of a backward pass queues a
-callback on the autograd engine that runs when the pass ends, waits for every bucket, and writes the mean back
-into ``.grad`` (:meth:`DistributedDataParallel.finish_gradient_synchronization`; calling it again is a no-op).
+callback on the autograd engine that runs when the pass ends, waits for every bucket, and so leaves the mean
+in every ``.grad`` (:meth:`DistributedDataParallel.finish_gradient_synchronization`; calling it again is a no-op).
 With ``overlap=False`` nothing is launched during backward; every bucket is all-reduced in that callback.
 
-**Bucket buffers.**  Each bucket owns a flat buffer.  Each gradient is copied in by its hook, the moment it
-is ready, and divided by the world size in the same pass (``torch.div(grad, N, out=slice)``), as PyTorch's
-Reducer does: the gradient was just written and is still in cache, the copy happens while the bucket waits
-for its other gradients anyway, and the division needs no extra pass over the bucket after the last
-all-reduce, on the critical path.  (Measured on TinyGPT 10m, 2 gloo ranks with one core each, ~250 ms of
-CPU per step: the DDP's own work on the main thread fell from ~14 to ~10 ms per step, PyTorch's figure,
-against copying a whole bucket when it is launched and dividing after the all-reduce;
-``benchmarks/bench_ddp.py``.)  With ``compression`` the sums are copied undivided: each compressor takes
-the mean its own way, and ``communication_per_step()`` counts what it really put into its collectives.  After
-the all-reduce the mean is copied back into ``.grad``.  PyTorch's ``gradient_as_bucket_view=True`` instead
-makes each ``.grad`` a view into the bucket, saving one gradient-sized buffer, both copies and, when
-``zero_grad`` sets ``.grad`` to ``None``, the fresh allocation of every gradient (~15 ms of main-thread CPU in
-that step), at the price of re-pointing ``.grad`` whenever an optimizer sets it to ``None``; the copies keep
-this module simple and ``.grad`` ordinary.
+**Bucket buffers: gradients as views** (``gradient_as_bucket_view=True``, the default; PyTorch's option of
+the same name, which PyTorch leaves off).  Each bucket owns a flat buffer, and each parameter's ``.grad`` is a
+view of its slice of it, so autograd accumulates straight into the bucket.  When a gradient's hook fires it is
+already in place and the hook only divides it by the world size (``div_``); the all-reduce then leaves the
+mean in ``.grad``, and nothing is copied either way.  A ``.grad`` that is *not* the view is a tensor autograd
+has just made: in the first backward, after ``zero_grad(set_to_none=True)`` (PyTorch's default), or whenever
+code replaced it.  The hook then copies it in, divided in the same pass (``torch.div(grad, N, out=slice)``,
+while the gradient is still in cache), and points ``.grad`` at the view; autograd's tensor is freed.  That is
+what PyTorch's Reducer does.  What it costs and saves, per step, with ``Psi * b`` bytes of gradients:
+
+- memory: gradients and buckets are one buffer, ``Psi * b`` bytes (``memory_breakdown()``), where copies hold two;
+- ``zero_grad(set_to_none=True)``: one fused copy-and-divide into the buckets, and no copy back out;
+- ``zero_grad(set_to_none=False)``: autograd adds into the zeroed buckets and the hook divides in place: no copy
+  at all, but a zeroing pass and an add where autograd would have handed its tensor over.
+
+Pointing every ``None`` ``.grad`` at its zeroed view *before* backward instead (so autograd adds rather than
+hands over a fresh tensor) measured 3-6 ms more main-thread CPU per TinyGPT-10m step than copying in from the
+hook: the backward kernel allocates its output either way (``benchmarks/bench_ddp.py`` compares views and copies
+with torch's).  The price of views: ``.grad`` is a view, so ``.grad.detach_()`` fails (``Optimizer.zero_grad``
+does not call it), and a ``.grad`` replaced by another tensor is copied back in at the next synchronised backward.
+
+``gradient_as_bucket_view=False`` keeps ``.grad`` ordinary tensors: each hook copies its gradient into the
+bucket (divided), and after the all-reduce the mean is copied back into ``.grad``.  With ``compression`` the
+buckets hold the undivided sums (each compressor takes the mean its own way and writes it into the bucket, so
+with views the mean lands in ``.grad`` without a copy), and ``communication_per_step()`` counts what the
+compressor really put into its collectives.
 
 **Parameters that get no gradient** in a backward pass (a branch not taken on this rank) would leave their
 bucket waiting for ever.  At the end of backward such a parameter contributes its current local ``.grad``
@@ -61,14 +74,12 @@ accumulation: ``m - 1`` micro-batches unsynchronised, the last one synchronised)
 all-reduces every bucket from the current ``.grad`` explicitly, launched in bucket order, and leaves the mean
 there.  The flag is read *when the backward pass runs*, not when the forward did (PyTorch's DDP decides in
 the forward), so a pipeline schedule may run ``m`` forwards, then ``m`` backwards with sync off, in any
-interleaving, then one ``reduce_gradients()``: the gradient of the whole batch, as one process would have it,
-for one all-reduce of every bucket per step.  (FSDP2's ``set_requires_gradient_sync`` decides the same way.)
-``reduce_gradients`` is a collective: every rank calls it, once per step.
+interleaving, then one ``reduce_gradients()`` (a collective: every rank calls it, once per step): the gradient
+of the whole batch, for one all-reduce of every bucket.  (FSDP2's ``set_requires_gradient_sync`` does the same.)
 
 **At construction** rank 0's parameters and buffers are broadcast to every rank (one
 ``torch.distributed.broadcast`` per dtype, of the tensors flattened together, after checking that every rank
-holds the same parameter names, shapes and dtypes).  The built-in broadcast is used rather than
-``labkit.collectives.broadcast``: it is one call, and faster on gloo.  Like PyTorch's default
+holds the same parameter names, shapes and dtypes; the built-in broadcast: one call, faster on gloo).  Like PyTorch's default
 (``broadcast_buffers=True``), buffers such as BatchNorm's running statistics are broadcast from rank 0 again
 at the start of every forward pass run with autograd on while gradient sync is on: not under ``no_grad`` (so
 evaluating on rank 0 alone does not hang) and not while sync is off (which communicates nothing).  A
@@ -84,9 +95,8 @@ every rank holds the whole model, so ``full_state_dict()`` is the same dictionar
 ``gradients()`` are the module's ``.grad`` (the full mean, once reduced) and ``clip_grad_norm_`` clips them as
 ``torch.nn.utils.clip_grad_norm_`` would on one process.  ``parameters()`` are the module's tensors.
 
-Differences from PyTorch's DDP worth knowing: PyTorch's first bucket is capped at 1 MiB (so communication
-starts sooner), its buckets may exceed the cap by one tensor, and after the first step it rebuilds buckets in
-the order gradients actually arrived.
+Unlike PyTorch's DDP: its first bucket is capped at 1 MiB (communication starts sooner), its buckets may exceed
+the cap by one tensor, and after the first step it rebuilds buckets in the order gradients arrived.
 """
 
 from __future__ import annotations
@@ -101,6 +111,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit import trace
+from labkit.measure import model_state_bytes, storage_bytes
 from labkit.parallel.base import (
     ParallelWrapper,
     broadcast_from_first_rank,
@@ -168,15 +179,19 @@ class DistributedDataParallel(ParallelWrapper):
         compression: None (plain all-reduce) or an object from ``labkit.parallel.compression``.
         broadcast_buffers: broadcast the first rank's buffers before every forward pass run with autograd on
             while gradient sync is on.
+        gradient_as_bucket_view: make every ``.grad`` a view of its bucket (True: no copies, one gradient-sized
+            buffer) or keep them separate tensors that the buckets are copied from and back into (False).
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, overlap: bool = True,
                  group: Any = None, compression: GradientCompression | None = None,
-                 broadcast_buffers: bool = True):
-        _check_arguments(bucket_cap_mb, overlap, compression, broadcast_buffers)  # before any communication
+                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True):
+        _check_arguments(bucket_cap_mb, overlap, compression, broadcast_buffers,
+                         gradient_as_bucket_view)  # before any communication
         super().__init__(module, group)
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.overlap = overlap
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.compression = compression
         self.broadcast_buffers = broadcast_buffers
 
@@ -248,6 +263,18 @@ class DistributedDataParallel(ParallelWrapper):
         """The module's ``state_dict()``: every rank holds the whole model, so nothing is communicated."""
         return self.module.state_dict()
 
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds (``labkit.measure.model_state_bytes``), the buckets counted as ``gradients``:
+        with ``gradient_as_bucket_view`` the ``.grad`` are views of them, one gradient-sized buffer in all;
+        without, the buckets are a second one beside the ``.grad``."""
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        breakdown = model_state_bytes(self.module, optimizer)
+        parameters = list(self.module.parameters()) + ([] if optimizer is None else [
+            p for group in optimizer.param_groups for p in group["params"]])
+        counted = {p.grad.untyped_storage().data_ptr() for p in parameters if p.grad is not None}
+        breakdown["gradients"] += storage_bytes([bucket.buffer for bucket in self._buckets], counted)
+        return breakdown
+
     # ----------------------------------------------------------------------------------------------------
     # During backward
 
@@ -269,7 +296,7 @@ class DistributedDataParallel(ParallelWrapper):
                                "hook call per parameter and pass")
         bucket.ready[position] = True
         bucket.missing -= 1
-        self._copy_into_bucket(bucket, position)
+        self._gradient_into_bucket(bucket, position)
         if self.overlap:
             while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].missing == 0:
                 self._record_backward_compute()
@@ -282,8 +309,15 @@ class DistributedDataParallel(ParallelWrapper):
             trace.add("backward", "compute", self._compute_since, trace.now())
             self._compute_since = None
 
-    def _copy_into_bucket(self, bucket: _Bucket, position: int) -> None:
-        grad, view = bucket.parameters[position].grad, bucket.views[position]
+    def _gradient_into_bucket(self, bucket: _Bucket, position: int) -> None:
+        """Leave this rank's contribution in the parameter's slice of the bucket: its gradient divided by the
+        world size (undivided with compression: a compressor takes the sum and divides its own way)."""
+        param, view = bucket.parameters[position], bucket.views[position]
+        grad = param.grad
+        if grad is view:  # gradient_as_bucket_view: autograd accumulated straight into the bucket
+            if self.compression is None:
+                view.div_(self.world_size)
+            return
         if grad is None:
             view.zero_()  # no gradient on this rank (yet): contribute zeros
         elif grad.is_sparse:
@@ -292,12 +326,14 @@ class DistributedDataParallel(ParallelWrapper):
         elif self.compression is None:
             torch.div(grad, self.world_size, out=view)  # the mean's division, fused into the copy
         else:
-            view.copy_(grad)  # a compressor takes the sum and divides its own way
+            view.copy_(grad)
+        if self.gradient_as_bucket_view:
+            param.grad = view  # from now on autograd accumulates into the bucket; the old tensor is freed
 
     def _launch(self, bucket: _Bucket) -> None:
         for position, ready in enumerate(bucket.ready):
             if not ready:  # unused in this pass (or no pass: reduce_gradients): its current local gradient
-                self._copy_into_bucket(bucket, position)
+                self._gradient_into_bucket(bucket, position)
         if self.compression is None:
             self._count("all_reduce", bucket.buffer)
             bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
@@ -352,6 +388,8 @@ class DistributedDataParallel(ParallelWrapper):
             bucket.handle.wait()  # the gradients went in divided by the world size: the sum is the mean
         else:
             self.compression.complete(bucket.handle)
+        if self.gradient_as_bucket_view:
+            return  # every .grad of the bucket is a view of it: the mean is already there
         for param, view in zip(bucket.parameters, bucket.views, strict=True):
             if param.grad is None:
                 param.grad = view.clone()
@@ -363,7 +401,8 @@ class DistributedDataParallel(ParallelWrapper):
 # Construction helpers
 
 
-def _check_arguments(bucket_cap_mb: Any, overlap: Any, compression: Any, broadcast_buffers: Any) -> None:
+def _check_arguments(bucket_cap_mb: Any, overlap: Any, compression: Any, broadcast_buffers: Any,
+                     gradient_as_bucket_view: Any) -> None:
     """The arguments only this wrapper takes (the base class checks ``module`` and ``group``)."""
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
         raise TypeError(f"bucket_cap_mb must be a number of MiB, got {type(bucket_cap_mb).__name__} "
@@ -371,7 +410,8 @@ def _check_arguments(bucket_cap_mb: Any, overlap: Any, compression: Any, broadca
     if not math.isfinite(bucket_cap_mb) or bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb must be a finite number >= 0 (MiB per bucket; 0 means one "
                          f"all-reduce per parameter), got {bucket_cap_mb!r}")
-    for name, value in (("overlap", overlap), ("broadcast_buffers", broadcast_buffers)):
+    for name, value in (("overlap", overlap), ("broadcast_buffers", broadcast_buffers),
+                        ("gradient_as_bucket_view", gradient_as_bucket_view)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
     if compression is not None and not (callable(getattr(compression, "launch", None))

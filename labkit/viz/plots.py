@@ -30,6 +30,7 @@ def plot_why_distributed(parameters: float, tokens: float, gpus: int, gpu: compu
     memory_axis.axhline(gpu.memory_bytes / 1e9, color="black", linestyle="--", label=f"{gpu.name} memory")
     memory_axis.set_ylabel("weights + grads + Adam state (GB)")
     memory_axis.set_title(f"{parameters / 1e9:.1f}B parameters x 16 bytes")
+    memory_axis.set_ylim(0, 1.3 * max(*bars.values(), gpu.memory_bytes) / 1e9)  # room for the legend
     memory_axis.legend(loc="upper right")
     counts = [2**k for k in range(0, 15)]
     days = [compute.training_time_seconds(parameters, tokens, n, gpu.peak_bf16_flops, utilization)
@@ -304,6 +305,7 @@ def plot_step_breakdown(steps: dict, title: str = "Where a data-parallel step's 
     parts = [("forward", "forward_s", "#4C72B0"), ("backward", "backward_s", "#55A868"),
              ("exposed communication", "exposed_communication_s", "#DD8452"), ("optimizer", "optimizer_s", "#8172B3")]
     labels = list(steps)
+    hidden_labelled = False  # the first row may hide nothing (one rank): label the first hatched bar drawn
     for row, label in enumerate(labels):
         step, left = steps[label], 0.0
         for name, attribute, color in parts:
@@ -314,11 +316,49 @@ def plot_step_breakdown(steps: dict, title: str = "Where a data-parallel step's 
         if hidden > 0:
             start = (step.forward_s + step.backward_s) * 1e3 - hidden
             axis.barh(row, hidden, left=start, height=0.25, color="none", edgecolor="#DD8452", hatch="///",
-                      label="hidden communication" if row == 0 else None)
+                      label=None if hidden_labelled else "hidden communication")
+            hidden_labelled = True
     axis.set_yticks(range(len(labels)), labels)
     axis.invert_yaxis()
     axis.set_xlabel("time per step (ms)")
     axis.set_title(title)
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
+    return figure
+
+
+LINE_STYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v"]
+
+
+def plot_loss_curves(curves: dict[str, Sequence[float]], floor: float | None = None,
+                     title: str = "Training loss", ylabel: str = "training loss (nats/token)") -> Figure:
+    """Loss against step, one line per label, and the entropy floor when given.
+
+    Runs that agree (fp16 or bf16 compression against none, say) would be drawn exactly on top of one another
+    and read as one line: a curve within 0.5% of the axis' range of an earlier one everywhere is drawn dashed
+    or dotted, with markers staggered so each shows, and its legend entry says which curve it coincides with.
+    """
+    figure = Figure(figsize=(7, 4))
+    axis = figure.subplots()
+    values = [value for losses in curves.values() for value in losses]
+    tolerance = 0.005 * (max(values) - min(values) or 1.0)
+    drawn: list[tuple[str, Sequence[float]]] = []  # curves not on top of an earlier one
+    coinciding: dict[str, int] = {}  # how many curves already lie on each drawn one
+    for index, (label, losses) in enumerate(curves.items()):
+        under = next((name for name, other in drawn if len(other) == len(losses) and
+                      max(abs(a - b) for a, b in zip(other, losses, strict=True)) <= tolerance), None)
+        style, legend = "-", label
+        if under is None:
+            drawn.append((label, losses))
+        else:
+            coinciding[under] = coinciding.get(under, 0) + 1
+            style, legend = LINE_STYLES[coinciding[under] % len(LINE_STYLES)], f"{label} (on top of {under})"
+        every = max(1, len(losses) // 8)
+        axis.plot(range(1, len(losses) + 1), losses, color=RANK_COLORS[index % len(RANK_COLORS)], linestyle=style,
+                  marker=MARKERS[index % len(MARKERS)], markersize=4,
+                  markevery=(index * every // max(1, len(curves)), every), label=legend)
+    if floor is not None:
+        axis.axhline(floor, color="black", linestyle=":", label=f"entropy floor {floor:.2f}")
+    finish(axis, "step", ylabel, title)
     return figure

@@ -112,9 +112,13 @@ def plot_gradient_magnitudes(gradients, thresholds: dict[str, float], title: str
 def plot_memory_breakdown(measured: dict[str, dict[str, float]],
                           predicted: dict[str, dict[str, float]] | None = None,
                           capacity_bytes: float | None = None, unit: float = 2**20, unit_name: str = "MiB",
-                          title: str = "Memory per category") -> Figure:
+                          title: str = "Memory per category", highlight: str | None = None) -> Figure:
     """Stacked bars per labelled configuration (weights, gradients, optimizer states, activations...);
-    the prediction, when given, is drawn as a black tick on top of each bar; ``capacity_bytes`` as a line."""
+    the prediction, when given, is drawn as a black tick on top of each bar; ``capacity_bytes`` as a line.
+    ``highlight`` names the configuration chosen: its bar is drawn solid, outlined and totalled, the others
+    faded."""
+    if highlight is not None and highlight not in measured:
+        raise ValueError(f"highlight must be one of {list(measured)}, got {highlight!r}")
     figure = Figure(figsize=(max(6, 1.6 * len(measured) + 3), 4))
     axis = figure.subplots()
     labels = list(measured)
@@ -122,8 +126,18 @@ def plot_memory_breakdown(measured: dict[str, dict[str, float]],
     bottoms = [0.0] * len(labels)
     for category in categories:
         heights = [measured[label].get(category, 0.0) / unit for label in labels]
-        axis.bar(labels, heights, bottom=bottoms, color=MEMORY_COLORS[category], label=category.replace("_", " "))
+        bars = axis.bar(labels, heights, bottom=bottoms, color=MEMORY_COLORS[category],
+                        label=category.replace("_", " "))
+        for label, bar in zip(labels, bars, strict=True):
+            bar.set_alpha(0.3 if highlight not in (None, label) else 1.0)
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    if highlight is not None:
+        index = labels.index(highlight)
+        axis.bar([highlight], [bottoms[index]], fill=False, edgecolor="black", linewidth=2.5, label="chosen")
+        axis.annotate(f"{bottoms[index]:,.1f} {unit_name}", (index, bottoms[index]), xytext=(0, 3),
+                      textcoords="offset points", ha="center", va="bottom", fontsize=9, fontweight="bold")
+        axis.set_xticks(range(len(labels)), labels)
+        axis.get_xticklabels()[index].set_fontweight("bold")
     if predicted:
         for index, label in enumerate(labels):
             if label in predicted:
@@ -134,7 +148,9 @@ def plot_memory_breakdown(measured: dict[str, dict[str, float]],
         axis.axhline(capacity_bytes / unit, color="tab:red", linestyle="--", label="device memory")
     axis.set_ylabel(f"memory ({unit_name})")
     axis.set_title(title)
-    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    legend = axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for handle in legend.legend_handles:
+        handle.set_alpha(1.0)  # a category's colour, not the faded look of the bars not chosen
     figure.tight_layout()
     return figure
 

@@ -2,9 +2,14 @@
 
 Each explorer renders its figure into an ``ipywidgets.Image``: moving a slider replaces the picture in place,
 and executing the notebook headless (nbval, nbclient) stores no figure outputs that would differ run to run.
+Every explorer is wired by ``connect``: sliders redraw when released, and the figure always shows what the
+controls show.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import ipywidgets as widgets
 
@@ -12,6 +17,47 @@ from labkit import lr
 from labkit.costmodel import collectives, compute, memory
 from labkit.costmodel import step as step_model
 from labkit.viz import plots, training_plots
+
+
+def connect(controls: Sequence[widgets.Widget], draw: Callable[[], None]) -> None:
+    """Redraw with ``draw`` (which reads every control's current value itself) whenever a control changes.
+
+    - Sliders update on release (``continuous_update=False``): a drag is one redraw, not one per value passed,
+      which on a busy kernel queued seconds of stale figures behind the hand.
+    - The last state wins: a change that arrives while a redraw runs (e.g. the redraw clamps another slider)
+      makes that redraw run once more, instead of nesting a second one whose newer figure the first would
+      then overwrite with an older one.
+    - Descriptions are as wide as the longest (so nothing is cut to "…" and the sliders line up), and so is
+      each dropdown's longest option.
+    """
+    state = {"drawing": False, "stale": False}
+    labels = [len(control.description) for control in controls if not isinstance(control, widgets.Checkbox)]
+    description_width = max(labels, default=0) + 1  # in ch, about one character each
+
+    def redraw(_change=None) -> None:
+        state["stale"] = True
+        if state["drawing"]:
+            return
+        state["drawing"] = True
+        try:
+            while state["stale"]:
+                state["stale"] = False
+                draw()
+        finally:
+            state["drawing"] = False
+
+    for control in controls:
+        if "continuous_update" in control.keys:
+            control.continuous_update = False
+        control.style.description_width = f"{description_width}ch"
+        if isinstance(control, widgets.Dropdown):  # the layout's width holds the description too
+            longest = max(len(str(label)) for label in control._options_labels)
+            control.layout.width = f"{description_width + longest + 7}ch"  # + the arrow and padding
+        control.observe(redraw, names="value")
+    redraw()
+
+
+ROW = {"flex_flow": "row wrap"}  # the layout of a row of controls: side by side, wrapping when the notebook is narrow
 
 
 def why_distributed_explorer(parameters: float = 7e9, tokens: float = 2e12, gpus: int = 64,
@@ -26,16 +72,14 @@ def why_distributed_explorer(parameters: float = 7e9, tokens: float = 2e12, gpus
     mfu_slider = widgets.FloatSlider(value=utilization, min=0.1, max=0.7, step=0.05, description="MFU")
     picture = widgets.Image(format="png")
 
-    def redraw(_change=None) -> None:
+    def redraw() -> None:
         figure = plots.plot_why_distributed(parameter_slider.value, token_slider.value, gpu_slider.value,
                                             compute.GPUS[gpu_choice.value], mfu_slider.value)
         picture.value = plots.figure_to_png(figure)
 
-    for control in (parameter_slider, token_slider, gpu_slider, gpu_choice, mfu_slider):
-        control.observe(redraw, names="value")
-    redraw()
+    connect((parameter_slider, token_slider, gpu_slider, gpu_choice, mfu_slider), redraw)
     controls = widgets.HBox([widgets.VBox([parameter_slider, token_slider, gpu_slider]),
-                             widgets.VBox([gpu_choice, mfu_slider])])
+                             widgets.VBox([gpu_choice, mfu_slider])], layout=ROW)
     return widgets.VBox([controls, picture])
 
 
@@ -51,7 +95,7 @@ def ring_all_reduce_explorer(records: dict[tuple[int, int], list[dict]]) -> widg
     picture = widgets.Image(format="png")
     caption = widgets.HTML()
 
-    def redraw(_change=None) -> None:
+    def redraw() -> None:
         world_size = world_choice.value
         available = sorted(s for n, s in records if n == world_size)
         segments = min(available, key=lambda s: abs(s - segment_slider.value))
@@ -62,10 +106,8 @@ def ring_all_reduce_explorer(records: dict[tuple[int, int], list[dict]]) -> widg
         caption.value = (f"<small>recorded run: {world_size} ranks, each chunk cut into {segments} segment(s); "
                          f"{len(records[(world_size, segments)])} messages in all</small>")
 
-    for control in (world_choice, segment_slider, step_slider):
-        control.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([widgets.HBox([world_choice, segment_slider, step_slider]), caption, picture])
+    connect((world_choice, segment_slider, step_slider), redraw)
+    return widgets.VBox([widgets.HBox([world_choice, segment_slider, step_slider], layout=ROW), caption, picture])
 
 
 def alpha_beta_explorer(links: dict, world_size: int = 8) -> widgets.VBox:
@@ -76,7 +118,7 @@ def alpha_beta_explorer(links: dict, world_size: int = 8) -> widgets.VBox:
     rank_slider = widgets.IntSlider(value=world_size, min=2, max=64, description="ranks N")
     picture = widgets.Image(format="png")
 
-    def redraw(_change=None) -> None:
+    def redraw() -> None:
         link = links[link_choice.value]
         n = rank_slider.value
         sizes = [4 ** k for k in range(3, 15)]  # 64 B .. 256 MiB
@@ -91,10 +133,8 @@ def alpha_beta_explorer(links: dict, world_size: int = 8) -> widgets.VBox:
                                             f"1/beta = {link.bandwidth_bytes_per_s / 1e9:.1f} GB/s")
         picture.value = plots.figure_to_png(figure)
 
-    for control in (link_choice, rank_slider):
-        control.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([widgets.HBox([link_choice, rank_slider]), picture])
+    connect((link_choice, rank_slider), redraw)
+    return widgets.VBox([widgets.HBox([link_choice, rank_slider], layout=ROW), picture])
 
 
 def ddp_step_explorer(links: dict, compute_ms: float = 60.0, parameters_m: float = 10.0) -> widgets.VBox:
@@ -113,7 +153,7 @@ def ddp_step_explorer(links: dict, compute_ms: float = 60.0, parameters_m: float
     picture = widgets.Image(format="png")
     summary = widgets.HTML()
 
-    def redraw(_change=None) -> None:
+    def redraw() -> None:
         link = links[link_choice.value]
         gradient_bytes = int(parameter_slider.value * 1e6) * 4
         cap = max(1, int(bucket_slider.value * 2**20))
@@ -132,11 +172,9 @@ def ddp_step_explorer(links: dict, compute_ms: float = 60.0, parameters_m: float
             f"; {len(buckets)} bucket(s) of gradients, {gradient_bytes / 1e6:,.0f} MB per step</small>"
         picture.value = plots.figure_to_png(plots.plot_step_breakdown(steps))
 
-    for control in (parameter_slider, compute_slider, rank_slider, bucket_slider, link_choice):
-        control.observe(redraw, names="value")
-    redraw()
+    connect((parameter_slider, compute_slider, rank_slider, bucket_slider, link_choice), redraw)
     controls = widgets.HBox([widgets.VBox([parameter_slider, compute_slider, rank_slider]),
-                             widgets.VBox([bucket_slider, link_choice])])
+                             widgets.VBox([bucket_slider, link_choice])], layout=ROW)
     return widgets.VBox([controls, summary, picture])
 
 
@@ -146,7 +184,7 @@ def lr_schedule_explorer(base_lr: float = 0.01, base_batch: int = 16, total_samp
 
     lr_slider = widgets.FloatLogSlider(value=base_lr, base=10, min=-4, max=0, step=0.1, description="base LR")
     multiples = widgets.SelectMultiple(options=[1, 2, 4, 8, 16, 32, 64, 128], value=(1, 4, 16, 64),
-                                       description="batch x", rows=4)
+                                       description="batch x", rows=8)
     rule_choice = widgets.Dropdown(options=["linear", "sqrt", "none"], value="linear", description="rule")
     warmup_slider = widgets.FloatSlider(value=0.2, min=0.0, max=0.9, step=0.05, description="warmup frac")
     start_slider = widgets.FloatSlider(value=0.1, min=0.0, max=1.0, step=0.05, description="start factor")
@@ -154,7 +192,7 @@ def lr_schedule_explorer(base_lr: float = 0.01, base_batch: int = 16, total_samp
                                     description="decay")
     picture = widgets.Image(format="png")
 
-    def redraw(_change=None) -> None:
+    def redraw() -> None:
         curves, samples_per_step = {}, {}
         for k in multiples.value:
             global_batch = base_batch * k
@@ -171,11 +209,9 @@ def lr_schedule_explorer(base_lr: float = 0.01, base_batch: int = 16, total_samp
             picture.value = plots.figure_to_png(training_plots.plot_lr_schedules(
                 curves, samples_per_step, title=f"{rule_choice.value} rule, {decay_choice.value} decay"))
 
-    for control in (lr_slider, multiples, rule_choice, warmup_slider, start_slider, decay_choice):
-        control.observe(redraw, names="value")
-    redraw()
+    connect((lr_slider, multiples, rule_choice, warmup_slider, start_slider, decay_choice), redraw)
     controls = widgets.HBox([widgets.VBox([lr_slider, rule_choice, decay_choice]),
-                             widgets.VBox([warmup_slider, start_slider]), multiples])
+                             widgets.VBox([warmup_slider, start_slider]), multiples], layout=ROW)
     return widgets.VBox([controls, picture])
 
 
@@ -187,7 +223,7 @@ def precision_memory_explorer(parameters_b: float = 7.0) -> widgets.VBox:
     gpu_choice = widgets.Dropdown(options=list(compute.GPUS), value="H100 80GB", description="GPU")
     picture = widgets.Image(format="png")
 
-    def redraw(_change=None) -> None:
+    def redraw() -> None:
         count = int(size_slider.value * 1e9)
         configurations = {f"{precision}\n{optimizer}": memory.predicted_model_state_bytes(count, precision, optimizer)
                           for precision in ("fp32", "mixed") for optimizer in ("sgd", "momentum", "adam")}
@@ -197,17 +233,14 @@ def precision_memory_explorer(parameters_b: float = 7.0) -> widgets.VBox:
                                              "model states, before any activation")
         picture.value = plots.figure_to_png(figure)
 
-    for control in (size_slider, gpu_choice):
-        control.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([widgets.HBox([size_slider, gpu_choice]), picture])
+    connect((size_slider, gpu_choice), redraw)
+    return widgets.VBox([widgets.HBox([size_slider, gpu_choice], layout=ROW), picture])
 
 
 def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
     """The memory model per rank: a model preset (or size), precision, ZeRO stage, data-parallel degree,
-    micro-batch, sequence length and activation checkpointing -> stacked bytes per rank against a GPU."""
-    import dataclasses
-
+    micro-batch, sequence length and activation checkpointing -> stacked bytes per rank against a GPU; the
+    chosen stage's bar is the one drawn solid and totalled."""
 
     preset_choice = widgets.Dropdown(options=list(memory.MODEL_SHAPES), value=preset, description="model")
     precision_choice = widgets.Dropdown(options=["mixed", "fp32"], value="mixed", description="precision")
@@ -220,7 +253,7 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
     picture = widgets.Image(format="png")
     verdict = widgets.HTML()
 
-    def redraw(_change=None) -> None:
+    def redraw() -> None:
         shape = dataclasses.replace(memory.MODEL_SHAPES[preset_choice.value], seq_len=sequence_slider.value)
         count = memory.num_parameters(shape)
         activations = memory.activation_bytes(shape, batch_slider.value, precision=precision_choice.value,
@@ -229,7 +262,8 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
         per_stage = {f"ZeRO-{stage}" if stage else "DP": memory.memory_per_rank(
             count, precision_choice.value, "adam", zero_stage=stage, dp_degree=dp_slider.value,
             activation_bytes=activations) for stage in range(4)}
-        chosen = per_stage["ZeRO-" + str(stage_slider.value) if stage_slider.value else "DP"]
+        chosen_label = f"ZeRO-{stage_slider.value}" if stage_slider.value else "DP"
+        chosen = per_stage[chosen_label]
         fits = chosen["total"] <= gpu.memory_bytes
         verdict.value = (f"<b>{'fits' if fits else 'does not fit'}</b>: {chosen['total'] / 1e9:,.1f} GB per rank "
                          f"against {gpu.memory_bytes / 1e9:.0f} GB ({count / 1e9:.2f}B parameters, activations "
@@ -237,13 +271,12 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
         bars = {label: {key: value for key, value in parts.items() if key != "total"}
                 for label, parts in per_stage.items()}
         picture.value = plots.figure_to_png(training_plots.plot_memory_breakdown(
-            bars, capacity_bytes=gpu.memory_bytes, unit=1e9, unit_name="GB",
-            title=f"{preset_choice.value}, {precision_choice.value} precision, DP degree {dp_slider.value}"))
+            bars, capacity_bytes=gpu.memory_bytes, unit=1e9, unit_name="GB", highlight=chosen_label,
+            title=f"{preset_choice.value}, {precision_choice.value} precision, DP degree {dp_slider.value}: "
+                  f"{chosen_label} chosen"))
 
     controls = (preset_choice, precision_choice, stage_slider, dp_slider, batch_slider, sequence_slider,
                 checkpoint_box, gpu_choice)
-    for control in controls:
-        control.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:4])), widgets.VBox(list(controls[4:]))]),
-                         verdict, picture])
+    connect(controls, redraw)
+    return widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:4])), widgets.VBox(list(controls[4:]))],
+                                      layout=ROW), verdict, picture])

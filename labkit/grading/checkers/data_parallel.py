@@ -2,15 +2,22 @@
 
 The distributed checks build a small model with a *different* seed on every rank (so a missing broadcast
 shows), give every rank a different slice of one batch, and compare against one process training on the whole
-batch — the definition of correct data parallelism.  float64 keeps the comparison tight (1e-10).
+batch — the definition of correct data parallelism.  float64 keeps the comparison tight (1e-10; both runs are
+on this machine, and the wrong answers miss by a factor).  ``labkit.parallel`` (DDP's broadcast and bucket rule)
+is forbidden to the student by :mod:`labkit.grading.guard`; ``torch.distributed``'s collectives are what the
+exercise teaches, and stay.
 """
 
 from __future__ import annotations
 
 import torch
+
+# Building a torch optimizer imports torch._dynamo, seconds in every check process and rank that lacks it:
+# import it once, here, and the checks and ranks forked later inherit it.
+import torch._dynamo  # noqa: F401
 from torch import nn
 
-from labkit.grading import CheckFailed
+from labkit.grading import CheckFailed, guard
 from labkit.launch import launch
 
 LAUNCH_TIMEOUT = 60.0  # seconds a distributed check may take before the ranks count as hung
@@ -102,6 +109,7 @@ def _run(module, world_size: int, broadcast: bool = True, hook: bool = True):
                   nprocs=world_size, timeout=LAUNCH_TIMEOUT, rank_output="none")
 
 
+@guard.no_shortcuts
 def check_broadcast(module) -> None:
     """broadcast_parameters gives every rank rank 0's parameters and buffers"""
     original = _model(seed=0)
@@ -115,6 +123,7 @@ def check_broadcast(module) -> None:
                                       "did you broadcast every parameter and buffer from src=0?)")
 
 
+@guard.no_shortcuts
 def check_gradients_are_averaged(module) -> None:
     """average_gradient_hook leaves every rank with the gradient of the whole batch (the average)"""
     _final, expected = _single_process_training()
@@ -129,6 +138,7 @@ def check_gradients_are_averaged(module) -> None:
                                       f"gradient{hint}")
 
 
+@guard.no_shortcuts
 def check_training_matches_single_process(module) -> None:
     """training with your broadcast and hook equals one process training on the whole batch"""
     expected, _gradients = _single_process_training()
@@ -152,6 +162,7 @@ BUCKET_CASES = [
 ]
 
 
+@guard.no_shortcuts
 def check_buckets(module) -> None:
     """assign_buckets fills buckets from the last parameter to the first, never past the cap"""
     for sizes, cap, expected in BUCKET_CASES:

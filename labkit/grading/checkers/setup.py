@@ -3,14 +3,16 @@
 Each check is a function of the student's module that raises ``CheckFailed`` with a hint.  Its docstring's
 first line is what the student sees.  The distributed checks run the student's functions on several gloo
 ranks, each holding a different, unevenly sized shard, so an answer that skips the all-reduce, or averages the
-per-rank means, gets a different number than the truth.
+per-rank means, gets a different number than the truth.  Every check runs under
+:func:`labkit.grading.guard.no_shortcuts`: labkit's own implementations raise, among them ``chunk_bounds``,
+which is ``shard_bounds`` verbatim.
 """
 
 from __future__ import annotations
 
 import torch
 
-from labkit.grading import CheckFailed
+from labkit.grading import CheckFailed, guard
 from labkit.launch import launch
 
 SIZES = (0, 1, 2, 5, 7, 10, 16, 17, 101)
@@ -29,6 +31,7 @@ def _bounds_for_every_rank(module, n: int, world_size: int) -> list[tuple[int, i
     return bounds
 
 
+@guard.no_shortcuts
 def check_shards_cover_every_item_once(module) -> None:
     """shard_bounds gives every item to exactly one rank, in contiguous slices in rank order"""
     for n in SIZES:
@@ -41,6 +44,7 @@ def check_shards_cover_every_item_once(module) -> None:
                                   f"{'...' if len(owned) > 12 else ''})")
 
 
+@guard.no_shortcuts
 def check_shards_are_balanced(module) -> None:
     """shard_bounds balances the load: slice sizes differ by at most one, the larger ones first"""
     for n in SIZES:
@@ -91,6 +95,7 @@ def _distributed(module, name: str, n: int, world_size: int, reduce) -> None:
                               f"value over all ranks is {truth.item():.6f}")
 
 
+@guard.no_shortcuts
 def check_global_sum(module) -> None:
     """global_sum returns the sum over every rank's data, on every rank"""
     for n, world_size in ((10, 2), (13, 3), (40, 4)):
@@ -100,6 +105,7 @@ def check_global_sum(module) -> None:
 check_global_sum.timeout = 90.0
 
 
+@guard.no_shortcuts
 def check_global_mean(module) -> None:
     """global_mean weighs every item equally when ranks hold different numbers of items"""
     for n, world_size in ((10, 2), (13, 3), (3, 4)):  # 3 items on 4 ranks: one rank holds nothing

@@ -7,22 +7,35 @@ and 3: its optimizer must hold state for exactly the rank's own parameters (an A
 DDP's memory, not ZeRO's) and move them as AdamW does.  ``zero1_step`` trains a small model on 2 and 3 gloo
 ranks, the same batch on every rank (so the gradients are already the average), and every rank must end with
 the parameters of one process training with AdamW over all of them — which fails without the broadcast, since
-each rank then only ever sees its own parameters move.  float64 keeps the comparisons tight (1e-10).
+each rank then only ever sees its own parameters move.  That AdamW's ``eps`` is about the gradients' size, so
+that a step on gradients summed once more over the ranks misses by 2e-2, not by the 5e-7 of the default eps.
+Tensors have up to four dimensions (and none), so ``len(p)`` for ``p.numel()`` fails.  Every comparison is
+between float64 runs on this machine (1e-9).  ``labkit.parallel`` (its ZeRO and its sharding rule) is forbidden
+to the student by :mod:`labkit.grading.guard`.
 """
 
 from __future__ import annotations
 
 import torch
+
+# Building a torch optimizer imports torch._dynamo, seconds in every check process and rank that lacks it:
+# import it once, here, and the checks and ranks forked later inherit it.
+import torch._dynamo  # noqa: F401
 from torch import nn
 
-from labkit.grading import CheckFailed
+from labkit.grading import CheckFailed, guard
 from labkit.launch import launch
 
 LAUNCH_TIMEOUT = 60.0  # seconds a distributed check may take before the ranks count as hung
 STEPS = 3
 BATCH = 16
 LR, WEIGHT_DECAY = 0.05, 0.1
-TOLERANCE = 1e-10
+# zero1_step's AdamW takes eps about the size of the gradients, so that its step depends on how large they are
+# (with the default 1e-8 a step on gradients twice too large moves the weights by 5e-7 more; with 0.1, by 2e-2).
+ZERO1_EPS = 0.1
+# Every comparison is between runs on this machine, in float64, with the same kernels (ranks may split matrix
+# products over other thread counts: 1e-16 relative); the wrong answers miss by 1e-3 or more.
+TOLERANCE = 1e-9
 
 # --------------------------------------------------------------------------------------------------------
 # The reference
@@ -36,9 +49,9 @@ def _reference_shard_parameters(sizes: list[int], world_size: int) -> list[int]:
     return owners
 
 
-def _reference_make_local_optimizer(parameters, owners, rank, lr, weight_decay) -> torch.optim.AdamW:
+def _reference_make_local_optimizer(parameters, owners, rank, lr, weight_decay, **options) -> torch.optim.AdamW:
     return torch.optim.AdamW([p for p, owner in zip(parameters, owners, strict=True) if owner == rank],
-                             lr=lr, weight_decay=weight_decay)
+                             lr=lr, weight_decay=weight_decay, **options)
 
 
 class _Net(nn.Module):
@@ -65,7 +78,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _single_process_training() -> list[torch.Tensor]:
     model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=ZERO1_EPS)
     for step in range(STEPS):
         x, y = _batch(step)
         optimizer.zero_grad()
@@ -81,15 +94,17 @@ def _owners(world_size: int) -> list[int]:
 # --------------------------------------------------------------------------------------------------------
 # shard_parameters
 
-# (sizes, world_size, owners)
+# (shapes, world_size, owners): tensors of up to four dimensions (and a 0-d one), so that len(p) or p.shape[0]
+# in place of p.numel() gives other owners.
 SHARD_CASES = [
-    ([100, 1, 1, 1], 2, [0, 1, 1, 1]),  # round-robin by index gives [0, 1, 0, 1]
-    ([1, 2, 3, 4, 5, 6], 3, [0, 1, 2, 2, 1, 0]),  # greedy in index order (no sort) gives [0, 1, 2, 0, 1, 2]
-    ([5, 5, 5, 5, 20], 2, [1, 1, 1, 1, 0]),  # balancing the count of parameters gives [1, 0, 1, 0, 0]
-    ([4, 8, 4, 8], 2, [0, 0, 1, 1]),  # ties: equal sizes in index order, the lowest least-loaded rank
-    ([10, 10, 10, 10, 10], 3, [0, 1, 2, 0, 1]),
-    ([96, 16, 48, 3], 3, [0, 2, 1, 2]),  # the model the other checks train
-    ([7, 3], 4, [0, 1]),  # more ranks than parameters
+    ([(10, 10), (1,), (1,), (1, 1)], 2, [0, 1, 1, 1]),  # round-robin by index gives [0, 1, 0, 1]
+    ([(1,), (2, 1), (3,), (2, 2), (5,), (2, 3)], 3, [0, 1, 2, 2, 1, 0]),  # no sort: [0, 1, 2, 0, 1, 2]
+    ([(5,), (5,), (5,), (5,), (4, 5)], 2, [1, 1, 1, 1, 0]),  # balancing the count of parameters: [1, 0, 1, 0, 0]
+    ([(4,), (2, 4), (2, 2), (8,)], 2, [0, 0, 1, 1]),  # ties: equal sizes in index order, the lowest least-loaded
+    ([(10,), (2, 5), (5, 2), (10, 1), (1, 10)], 3, [0, 1, 2, 0, 1]),
+    ([(16, 6), (16,), (3, 16), (3,)], 3, [0, 2, 1, 2]),  # the model the other checks train
+    ([(3, 4, 5), (60,), (7, 9), (2, 2, 2, 2), (5, 1, 1)], 3, [1, 2, 0, 1, 2]),  # uneven, up to 4-D
+    ([(7,), (), (3,)], 4, [0, 2, 1]),  # a 0-d parameter (one element); more ranks than parameters
     ([], 2, []),
 ]
 
@@ -101,11 +116,14 @@ def _load(sizes: list[int], owners: list[int], world_size: int) -> list[int]:
     return load
 
 
+@guard.no_shortcuts
 def check_shard_parameters(module) -> None:
     """shard_parameters gives each parameter, largest first, to the rank holding the fewest elements"""
-    for sizes, world_size, expected in SHARD_CASES:
-        call = f"shard_parameters(tensors of {sizes} elements, world_size={world_size})"
-        got = module.shard_parameters([torch.zeros(size) for size in sizes], world_size)
+    for shapes, world_size, expected in SHARD_CASES:
+        tensors = [torch.zeros(shape) for shape in shapes]
+        sizes = [tensor.numel() for tensor in tensors]
+        call = f"shard_parameters(tensors of shapes {shapes}, world_size={world_size})"
+        got = module.shard_parameters(tensors, world_size)
         try:
             got = [int(owner) for owner in got]
         except (TypeError, ValueError):
@@ -115,10 +133,13 @@ def check_shard_parameters(module) -> None:
             raise CheckFailed(f"{call} returned {got}: expected {len(sizes)} ranks (one per parameter), each in "
                               f"0..{world_size - 1}")
         if got != expected:
+            rows = [tensor.shape[0] if tensor.dim() else 1 for tensor in tensors]
+            hint = (" — that balances len(p), the first dimension: count elements with p.numel()"
+                    if got == _reference_shard_parameters(rows, world_size) else "")
             raise CheckFailed(f"{call} returned {got}, expected {expected} (elements per rank: yours "
                               f"{_load(sizes, got, world_size)}, expected {_load(sizes, expected, world_size)}; "
                               "take the parameters largest first, equal sizes in index order, each to the rank "
-                              "with the fewest elements so far, the lowest rank on a tie)")
+                              f"with the fewest elements so far, the lowest rank on a tie){hint}")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -140,6 +161,7 @@ def _fresh_parameters() -> list[nn.Parameter]:
     return [nn.Parameter(p.detach().clone()) for p in _model().parameters()]
 
 
+@guard.no_shortcuts
 def check_local_optimizer(module) -> None:
     """make_local_optimizer builds AdamW over this rank's parameters only: state for its shard alone"""
     expected_parameters = _fresh_parameters()
@@ -192,8 +214,10 @@ def check_local_optimizer(module) -> None:
 # zero1_step
 
 
-def _zero1_training(zero1_step) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Runs on every rank: the reference shard and local optimizer, the student's step, the same data."""
+def _zero1_training(zero1_step) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """Runs on every rank: the reference shard and local optimizer, the student's step, the same data.  Returns
+    the initial and final parameters, and how much larger the gradients were after the first step than before
+    (1 when zero1_step leaves them alone, as it should)."""
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -201,15 +225,20 @@ def _zero1_training(zero1_step) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     parameters = list(model.parameters())
     initial = [p.detach().clone() for p in parameters]
     owners = _reference_shard_parameters([p.numel() for p in parameters], world_size)
-    local_optimizer = _reference_make_local_optimizer(parameters, owners, rank, LR, WEIGHT_DECAY)
+    local_optimizer = _reference_make_local_optimizer(parameters, owners, rank, LR, WEIGHT_DECAY, eps=ZERO1_EPS)
+    growth = 1.0
     for step in range(STEPS):
         x, y = _batch(step)  # the whole batch on every rank: the gradients are already the average
         model.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
+        before = torch.cat([p.grad.reshape(-1) for p in parameters]).norm()
         zero1_step(parameters, list(owners), local_optimizer)
-    return initial, [p.detach().clone() for p in parameters]
+        if step == 0 and all(p.grad is not None for p in parameters):
+            growth = (torch.cat([p.grad.reshape(-1) for p in parameters]).norm() / before).item()
+    return initial, [p.detach().clone() for p in parameters], growth
 
 
+@guard.no_shortcuts
 def check_zero1_step(module) -> None:
     """zero1_step leaves every rank with the parameters of single-process AdamW (step, then broadcast)"""
     expected = _single_process_training()
@@ -217,20 +246,26 @@ def check_zero1_step(module) -> None:
         owners = _owners(world_size)
         results = launch(_zero1_training, module.zero1_step, nprocs=world_size, timeout=LAUNCH_TIMEOUT,
                          rank_output="none")
-        for rank, (initial, final) in enumerate(results):  # a parameter that never moved is the clearest hint
+        for rank, (initial, final, _growth) in enumerate(results):  # a parameter that never moved: clearest hint
             for index, (got, want, before) in enumerate(zip(final, expected, initial, strict=True)):
                 if torch.equal(got, before) and not torch.equal(want, before):
                     raise CheckFailed(f"{world_size} ranks: after {STEPS} steps, parameter {index} (owned by rank "
                                       f"{owners[index]}) on rank {rank} still holds its initial value: after the "
                                       "local step, broadcast each parameter from its owner (src=owners[i]) so every "
                                       "rank gets the update")
-        for rank, (_initial, final) in enumerate(results):
+        for rank, (_initial, final, growth) in enumerate(results):
             for index, (got, want) in enumerate(zip(final, expected, strict=True)):
                 worst = (got - want).abs().max().item()
                 if worst <= TOLERANCE:
                     continue
-                others = [other for other, (_, final_other) in enumerate(results)
+                others = [other for other, (_, final_other, _) in enumerate(results)
                           if not torch.equal(final_other[index], got)]
+                if abs(growth - 1) > 1e-6:
+                    raise CheckFailed(f"{world_size} ranks: after {STEPS} steps, parameter {index} on rank {rank} "
+                                      f"differs from single-process AdamW by up to {worst:.2e}, and your zero1_step "
+                                      f"made the gradients {growth:.3g}x as large: they arrive already averaged "
+                                      "(summing them again over the ranks multiplies them by the world size); "
+                                      "step the local optimizer on them as they are")
                 raise CheckFailed(f"{world_size} ranks: after {STEPS} steps, parameter {index} (owned by rank "
                                   f"{owners[index]}) on rank {rank} differs from single-process AdamW by up to "
                                   f"{worst:.2e}"

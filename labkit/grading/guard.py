@@ -1,0 +1,313 @@
+"""The guard that checkers run student code under: no answer may come from a built-in or from labkit itself.
+
+Every exercise asks for something that already exists.  ``torch.distributed`` has the all-reduce that exercise
+01 builds from messages, and labkit implements each exercise in full: ``labkit.collectives`` the ring and
+``chunk_bounds`` the shard rule, ``labkit.parallel`` DDP's broadcast and buckets and ZeRO's sharded optimizer,
+``labkit.lr`` the scaled schedule, ``labkit.precision`` the loss scaler.  An answer that calls them gets the
+right numbers without the work, so every check runs the student's code inside :func:`forbid`, which makes those
+implementations raise :class:`Forbidden` for as long as it lasts, however the student reached them:
+
+- each function of a forbidden module, and each method of its classes, has its ``__code__`` swapped for code
+  that raises.  The function *object* stays the same, so a reference bound before the guard — ``from labkit.lr
+  import lr_factor`` at the top of the file, a default argument, a ``functools.partial`` — refuses as surely as
+  an attribute looked up at call time;
+- with ``collectives=True`` (:func:`point_to_point_only`) the same is done to every collective of
+  ``torch.distributed`` (``all_reduce``, ``broadcast``, ... and the functional collectives when loaded), to the
+  collective methods of ``ProcessGroup`` and of its backends, and, one layer below all of them, a
+  ``TorchDispatchMode`` refuses every ``c10d`` operator except ``send``, ``recv`` and ``barrier``.  That mode also
+  records the peer and the size of each message in a :class:`Traffic`, which a checker compares with the
+  algorithm's schedule: data that moved any other way is missing from it;
+- the student's module's globals are scanned for forbidden callables whose code could not be swapped (none in
+  labkit today), which are replaced there.
+
+Everything is put back when the block ends (checks run in a child process that exits anyway; the ranks a check
+forks inherit the swapped code).  Cost: swapping the ~200 functions takes about 15 ms; under the dispatch mode
+every tensor operation makes one extra Python call, nothing next to an exercise's gloo messages.  The guard
+stops honest shortcuts, not an adversary: code that digs out what the guard swapped can get around it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+import re
+import sys
+import types
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from labkit.grading import CheckFailed
+
+# Where labkit implements an exercise.  A package stands for all its modules; a dotted name for one function
+# or class.  Only what is *defined* in a module counts: labkit.collectives re-exports chunk_bounds, which stays
+# usable there unless named itself, as it is here (it is exercise 00's shard_bounds, verbatim).
+LABKIT_IMPLEMENTATIONS = (
+    "labkit.collectives",  # 01: the ring reduce-scatter, all-gather, all-reduce; broadcast; naive and tree
+    "labkit.costmodel.collectives.chunk_bounds",  # 00: shard_bounds
+    "labkit.parallel",  # 02: DDP's broadcast, hook and buckets; 05: ZeRO's sharding and sharded optimizer
+    "labkit.lr",  # 03: the global batch, the linear rule, warmup and decay
+    "labkit.precision",  # 04: the dynamic loss scaler
+)
+
+# Collective functions and methods, by name: torch.distributed's all_reduce, all_gather_into_tensor,
+# _reduce_scatter_base, broadcast_object_list, gather_object, ...; ProcessGroup's allreduce, allgather,
+# alltoall_base, ...; the functional collectives' all_gather_tensor, permute_tensor, ...  Point-to-point
+# (send, recv, isend, irecv, batch_isend_irecv, send_object_list) and barrier do not match.
+COLLECTIVE_NAME = re.compile(r"_?(all_?reduce|all_?gather|reduce_scatter|reduce|broadcast|all_?to_?all|gather"
+                             r"|scatter|permute_tensor)(_|$)")
+# The c10d operators a point-to-point algorithm may use; every other operator of these namespaces is refused.
+COMMUNICATION_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "symm_mem", "_dtensor")
+POINT_TO_POINT_OPERATORS = ("send", "recv_", "recv_any_source_", "barrier", "monitored_barrier_")
+# Modules whose collectives are swapped when they are loaded (the dispatch mode catches them when not).
+TORCH_COLLECTIVE_MODULES = ("torch.distributed.distributed_c10d", "torch.distributed._functional_collectives",
+                            "torch.distributed.nn.functional")
+
+DEFAULT_REASON = "this exercise asks you to write it yourself"
+POINT_TO_POINT_REASON = "build it from point-to-point messages (dist.isend / dist.irecv)"
+
+
+class Forbidden(CheckFailed):
+    """Student code called something the exercise asks it to write: the message says what, and why."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# The traffic a point-to-point algorithm generates
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message seen by this rank: ``"send"`` to ``peer`` or ``"recv"`` from it (a rank in
+    the message's process group; ``None`` for a receive from any source), and its payload in bytes."""
+
+    direction: str
+    peer: int | None
+    nbytes: int
+
+
+class Traffic(list):
+    """The :class:`Message`\\ s of one rank, in the order they were posted."""
+
+
+class _PointToPointOnly(TorchDispatchMode):
+    """Refuses every communication operator except send/recv/barrier, and records each message."""
+
+    def __init__(self, traffic: Traffic, reason: str) -> None:
+        super().__init__()
+        self.traffic, self.reason = traffic, reason
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here is compiled, and the wrapper that skips dynamo imports torch._dynamo (seconds) in each rank.
+        return False
+
+    def __torch_dispatch__(self, func, op_types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in COMMUNICATION_NAMESPACES:
+            if func._opname not in POINT_TO_POINT_OPERATORS:
+                raise Forbidden(f"used the collective {func.namespace}.{func._opname} (through torch.distributed "
+                                f"or a process group): {self.reason}")
+            if func._opname in ("send", "recv_", "recv_any_source_"):
+                nbytes = sum(tensor.numel() * tensor.element_size() for tensor in args[0])
+                peer = args[2] if func._opname != "recv_any_source_" else None
+                self.traffic.append(Message("send" if func._opname == "send" else "recv", peer, nbytes))
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The guard
+
+
+@contextmanager
+def forbid(student: types.ModuleType | None = None, *, library: Iterable[str] = LABKIT_IMPLEMENTATIONS,
+           allow: Iterable[str] = (), collectives: bool = False, reason: str = DEFAULT_REASON,
+           traffic: Traffic | None = None) -> Iterator[None]:
+    """Within the block, labkit's implementations in ``library`` (less those named in ``allow``) raise
+    :class:`Forbidden`; with ``collectives=True`` so do torch's built-in collectives, and the point-to-point
+    messages are recorded in ``traffic``.  ``student`` is the student's module, whose globals are also scanned.
+    """
+    allowed = {id(function) for name in allow for function in _functions(_resolve(name))}
+    swaps: list[tuple[Callable, str]] = []
+    for name in library:
+        for function in _functions(_resolve(name)):
+            if id(function) not in allowed:
+                swaps.append((function, f"used {_public_name(function)}, labkit's own implementation: {reason}"))
+    if collectives:
+        for function in _torch_collectives():
+            swaps.append((function, f"used {_public_name(function)}, a built-in collective: {reason}"))
+    with ExitStack() as restore:
+        unswapped = []
+        for function, message in swaps:
+            if not _swap_code(function, message, restore):
+                unswapped.append((function, message))
+        if collectives:
+            _refuse_process_group_collectives(reason, restore)
+        if student is not None:
+            _replace_in_module(student, unswapped, restore)
+        if collectives:
+            restore.enter_context(_PointToPointOnly(Traffic() if traffic is None else traffic, reason))
+        yield
+
+
+@contextmanager
+def point_to_point_only(student: types.ModuleType | None = None, *, reason: str = POINT_TO_POINT_REASON,
+                        library: Iterable[str] = (), allow: Iterable[str] = ()) -> Iterator[Traffic]:
+    """Within the block only point-to-point messages move data: every built-in collective raises
+    :class:`Forbidden`.  Yields the :class:`Traffic` of this rank, for a checker to compare with the schedule."""
+    traffic = Traffic()
+    with forbid(student, library=library, allow=allow, collectives=True, reason=reason, traffic=traffic):
+        yield traffic
+
+
+def no_shortcuts(check: Callable[[types.ModuleType], None] | None = None, *,
+                 allow: Iterable[str] = ()) -> Callable:
+    """Decorate a check so that it runs under :func:`forbid` with labkit's implementations (less ``allow``):
+    ``@no_shortcuts`` or ``@no_shortcuts(allow=[...])``.  Ranks the check launches inherit the guard."""
+    allow = tuple(allow)
+
+    def decorate(check: Callable[[types.ModuleType], None]) -> Callable[[types.ModuleType], None]:
+        @functools.wraps(check)
+        def guarded(module: types.ModuleType) -> None:
+            with forbid(module, allow=allow):
+                check(module)
+
+        guarded.guarded = True  # tests/test_grading.py asserts every check has it
+        return guarded
+
+    return decorate if check is None else decorate(check)
+
+
+# --------------------------------------------------------------------------------------------------------
+# What is forbidden
+
+
+@functools.cache
+def _resolve(name: str) -> tuple[Any, ...]:
+    """A module (with every submodule of a package), or one function or class, by dotted name."""
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError:
+        module_name, _, attribute = name.rpartition(".")
+        return (getattr(importlib.import_module(module_name), attribute),)
+    found = [module]
+    if hasattr(module, "__path__"):
+        for info in pkgutil.walk_packages(module.__path__, prefix=f"{name}."):
+            try:
+                found.append(importlib.import_module(info.name))
+            except Exception:  # a module that cannot be imported cannot be a shortcut either
+                continue
+    return tuple(found)
+
+
+def _functions(objects: Iterable[Any]) -> list[types.FunctionType]:
+    """The functions defined by these modules, classes or functions, and the methods of their classes."""
+    functions: list[types.FunctionType] = []
+    for thing in objects:
+        if isinstance(thing, types.ModuleType):
+            for value in vars(thing).values():
+                if getattr(value, "__module__", None) == thing.__name__:
+                    functions.extend(_functions([value]) if isinstance(value, type) else _as_function(value))
+        elif isinstance(thing, type):
+            for name, value in vars(thing).items():
+                if not name.startswith("__") or name in ("__init__", "__new__", "__call__", "__post_init__"):
+                    functions.extend(_as_function(value))
+        else:
+            functions.extend(_as_function(thing))
+    return functions
+
+
+def _as_function(value: Any) -> list[types.FunctionType]:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    return [value] if isinstance(value, types.FunctionType) else []
+
+
+def _torch_collectives() -> list[types.FunctionType]:
+    functions = []
+    for module_name in TORCH_COLLECTIVE_MODULES:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for name, value in vars(module).items():
+            if type(value) is types.FunctionType and value.__module__ == module_name and \
+                    COLLECTIVE_NAME.match(name):
+                functions.append(value)
+    return functions
+
+
+def _public_name(function: types.FunctionType) -> str:
+    if getattr(dist, function.__name__, None) is function:
+        return f"torch.distributed.{function.__name__}"
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Making it refuse
+
+
+def _refusing_code(function: types.FunctionType, message: str) -> types.CodeType | None:
+    """Code that raises ``Forbidden(message)``, with ``function``'s free variables (so it fits its closure).
+    It runs with ``function``'s globals, so it reaches the exception class through ``__import__``."""
+    free = function.__code__.co_freevars
+    lines = ["def outer():", *(f"    {name} = None" for name in free), "    def refused(*args, **kwargs):"]
+    if free:
+        lines.append(f"        ({', '.join(free)},)")
+    lines += [f"        raise __import__({__name__!r}, fromlist=['Forbidden']).Forbidden({message!r})",
+              "    return refused"]
+    namespace: dict[str, Any] = {}
+    try:
+        exec("\n".join(lines), namespace)
+    except SyntaxError:
+        return None
+    code = namespace["outer"]().__code__
+    return code if code.co_freevars == free else None
+
+
+def _swap_code(function: types.FunctionType, message: str, restore: ExitStack) -> bool:
+    code = _refusing_code(function, message)
+    if code is None:
+        return False
+    original = function.__code__
+    try:
+        function.__code__ = code
+    except (TypeError, ValueError):
+        return False
+    restore.callback(setattr, function, "__code__", original)
+    return True
+
+
+def _refuse_process_group_collectives(reason: str, restore: ExitStack) -> None:
+    """Collective methods of ``ProcessGroup`` and of its backends (``ProcessGroupGloo``...) raise."""
+    c10d = torch._C._distributed_c10d
+    bases = (c10d.ProcessGroup, c10d.Backend)
+    for cls in [value for value in vars(c10d).values() if isinstance(value, type) and issubclass(value, bases)]:
+        for name in list(vars(cls)):
+            if COLLECTIVE_NAME.match(name):
+                restore.callback(setattr, cls, name, vars(cls)[name])
+                setattr(cls, name, _refusing_function(f"used ProcessGroup.{name}, a built-in collective: {reason}"))
+
+
+def _refusing_function(message: str) -> Callable[..., Any]:
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise Forbidden(message)
+
+    return refused
+
+
+def _replace_in_module(student: types.ModuleType, unswapped: list[tuple[Callable, str]], restore: ExitStack) -> None:
+    """Forbidden callables that kept their code are replaced where the student's module holds them."""
+    messages = {id(function): message for function, message in unswapped}
+    for name, value in list(vars(student).items()):
+        if id(value) in messages:
+            restore.callback(setattr, student, name, value)
+            setattr(student, name, _refusing_function(messages[id(value)]))
+
+
+for _name in LABKIT_IMPLEMENTATIONS:  # import them now, so that the check processes forked later need not
+    _resolve(_name)
