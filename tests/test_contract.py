@@ -55,6 +55,12 @@ def _rows(full: torch.Tensor, local: torch.Tensor, rank: int, world_size: int) -
     return full[min(rank * chunk, full.shape[0]):min((rank + 1) * chunk, full.shape[0])]
 
 
+def _largest_difference(gradients: dict, reference: dict, rank: int, world_size: int) -> float:
+    """Largest absolute difference between this rank's gradients (full, or its shard) and the reference's rows."""
+    return max((g - _rows(reference[n], g, rank, world_size)).abs().max().item()
+               for n, g in gradients.items() if g is not None and g.numel())
+
+
 def _padded(shape: torch.Size, world_size: int) -> int:
     """Elements a tensor occupies in the flat buffers of the shard layout: ``N`` chunks of ``ceil(rows/N)`` rows."""
     rows = shape[0] if len(shape) else 1
@@ -129,9 +135,7 @@ def _every_case() -> dict:
         model.set_requires_gradient_sync(True)
         gradients = model.gradients()
         case["gradient_names_match"] = sorted(gradients) == sorted(whole_gradients)
-        case["gradient_error"] = max(
-            (g - _rows(whole_gradients[n], g, rank, world_size)).abs().max().item() for n, g in gradients.items()
-            if g is not None and g.numel())
+        case["gradient_error"] = _largest_difference(gradients, whole_gradients, rank, world_size)
         case["sync_off_all_reduce_bytes"] = quiet.get("all_reduce", 0) + quiet.get("reduce_scatter", 0)
 
         # global-norm clipping through the contract
@@ -140,9 +144,7 @@ def _every_case() -> dict:
         model(_mine(inputs, rank), _mine(targets, rank))[1].backward()
         norm = float(model.clip_grad_norm_(0.05))
         case["clip_norm_error"] = abs(norm - clip_norm)
-        case["clip_error"] = max(
-            (g - _rows(clipped_gradients[n], g, rank, world_size)).abs().max().item()
-            for n, g in model.gradients().items() if g is not None and g.numel())
+        case["clip_error"] = _largest_difference(model.gradients(), clipped_gradients, rank, world_size)
         report[name] = case
     return report
 
