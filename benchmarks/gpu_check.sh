@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a machine with a CUDA GPU whose python3 already has torch (the device machine's image does).
-# Usage: bash benchmarks/gpu_check.sh   — prints the NCCL path check and the fp32/bf16/fp16 step-time table.
+# Usage: bash benchmarks/gpu_check.sh   — prints the NCCL path check, the fp32/bf16/fp16 step-time table and the
+# tensor-parallel check (labkit.parallel.tensor on cuda:0 through NCCL at tp=1: operators, layers, wrapper, dropout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true

@@ -19,7 +19,8 @@ How it works, and what it guarantees:
 
 - **Start.** Ranks are forked (so a function defined in a notebook cell works without pickling).  Rank 0
   hosts the rendezvous store on a port the operating system picks, so concurrent launches never collide.  Each rank gets ``cpu_count // nprocs`` threads, as ``torchrun``'s ``OMP_NUM_THREADS=1`` does, so
-  four ranks on a two-core laptop do not fight over cores.
+  four ranks on a two-core laptop do not fight over cores.  OpenMP's worker threads are released before the
+  fork (a forked rank would otherwise wait for its parent's, which it does not inherit).
 - **Output.** Whatever a rank prints reaches the caller prefixed with ``[rank r]`` — live, or grouped by rank
   at the end (``rank_output="grouped"``, deterministic), or not at all (``"none"``).
 - **Results.** ``launch`` returns ``fn``'s return value from every rank, as a list indexed by rank.  Tensors
@@ -125,17 +126,24 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 4, backend: str = "
     resolved = dist.resolve_backend(backend, nprocs)
     start_method = _start_method(resolved, fn, args, kwargs)
     if start_method == "fork":
-        _import_before_forking()
+        _prepare_to_fork()
     return _Launcher(fn, args, kwargs, nprocs, resolved, timeout, rank_output, start_method).run()
 
 
-def _import_before_forking() -> None:
-    """Import, once in the parent, what every rank would otherwise import for itself after the fork.
+def _prepare_to_fork() -> None:
+    """Import ``torch._dynamo`` once here: the first optimizer a process builds imports it (seconds of CPU), and
+    forked ranks inherit it (lesson 03's live experiment went from about 105 s to under 20 s of launches).
+    Stop GNU OpenMP's worker threads (OpenMP 5.0's ``omp_pause_resource_all``; the next parallel region starts
+    new ones): a forked rank inherits the pool's bookkeeping, not its threads, and would wait for them."""
+    import ctypes
 
-    The first optimizer a process builds imports ``torch._dynamo`` (seconds of CPU); forked ranks inherit the
-    parent's modules, so importing it here once saves that in every rank of every launch (lesson 03's live
-    experiment went from about 105 s to under 20 s of launches)."""
     import torch._dynamo  # noqa: F401
+    for path in (os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"), "libgomp.so.1"):
+        try:  # RTLD_NOLOAD: only a runtime this process has loaded (Intel's OpenMP is fork-safe already)
+            ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL).omp_pause_resource_all(2)
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def _validate(fn: Any, nprocs: Any, backend: Any, timeout: Any, rank_output: Any) -> None:

@@ -17,6 +17,7 @@ from labkit.grading.checkers import data_parallel as data_parallel_checks
 from labkit.grading.checkers import lr_scaling as lr_scaling_checks
 from labkit.grading.checkers import mixed_precision as mixed_precision_checks
 from labkit.grading.checkers import setup as setup_checks
+from labkit.grading.checkers import tensor_parallel as tensor_parallel_checks
 from labkit.grading.checkers import zero as zero_checks
 from tests.conftest import REPO
 from tests.wrong_answers import BY_NAME, WRONG_ANSWERS
@@ -94,6 +95,33 @@ def test_the_guard_refuses_labkits_implementations_however_they_were_bound_and_p
     assert scaled_lr(0.1, 32, 64) == with_default() == 0.2 and DynamicLossScaler().get_scale() > 0
     with guard.forbid(student, allow=["labkit.costmodel.collectives.chunk_bounds"]):
         assert labkit.collectives.chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+
+def test_the_guard_refuses_torchs_tensor_parallelism_where_a_check_names_it_and_puts_it_back():
+    import torch
+    import torch.distributed.nn.functional as differentiable
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    code = differentiable.all_reduce.__code__
+    calls = [lambda: differentiable.all_reduce(torch.ones(2)), lambda: torch.distributed.nn.all_reduce(torch.ones(2)),
+             lambda: DTensor.from_local(torch.ones(2)), ColwiseParallel,
+             lambda: parallelize_module(torch.nn.Linear(2, 2), None, {})]
+    with guard.forbid(library=tensor_parallel_checks.BUILT_INS):
+        for call in calls:
+            with pytest.raises(guard.Forbidden, match="a built-in: this exercise asks you to write it yourself"):
+                call()
+        assert torch.distributed.all_reduce.__code__.co_name != "refused"  # what f and g are built from stays
+    assert differentiable.all_reduce.__code__ is code
+
+
+@pytest.mark.parametrize("name, check, used", [
+    ("tensor_parallel_g_torch_nn_all_reduce", "check_f_and_g", "torch.distributed.nn.functional.all_reduce, a built-in"),
+    ("tensor_parallel_labkit_layers", "check_row_parallel_forward", "labkit's own implementation"),
+])
+def test_the_tensor_parallel_checks_refuse_torchs_differentiable_all_reduce_and_labkits_g(name, check, used, tmp_path):
+    result = grading.run_check(getattr(tensor_parallel_checks, check), BY_NAME[name].write(tmp_path / name))
+    assert not result.passed and used in result.message, result.message
 
 
 def _grows_late(scale, found_inf, good_steps, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):

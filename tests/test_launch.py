@@ -94,13 +94,37 @@ def test_launch_passes_positional_and_keyword_arguments():
     assert launch.launch(_sum_of_ranks, 10, nprocs=3, scale=2) == [2 * (30 + 3)] * 3
 
 
-def test_each_rank_gets_its_share_of_the_cpu_threads():
-    cores = len(os.sched_getaffinity(0))
-    for nprocs in (1, 2, 4):
-        facts = launch.launch(_rank_facts, nprocs=nprocs)
-        expected = max(1, cores // nprocs)
-        assert {f["threads"] for f in facts} == {expected}
-        assert {f["omp"] for f in facts} == {str(expected)}
+_THREADS = """
+import os, torch
+from labkit import launch
+from tests.test_launch import _rank_facts
+cores = len(os.sched_getaffinity(0))
+for nprocs in (1, 2, 4):
+    facts = launch.launch(_rank_facts, nprocs=nprocs)
+    expected = max(1, cores // nprocs)
+    assert {f["threads"] for f in facts} == {expected}, (nprocs, facts)
+    assert {f["omp"] for f in facts} == {str(expected)}, (nprocs, facts)
+a = torch.randn(1024, 1024)
+(a @ a).sum()  # OpenMP's worker threads start here (on a machine with two cores or more)
+facts = launch.launch(_matmul_threads_of_rank, nprocs=1, timeout=60)  # a rank forked now must not hang
+assert facts == [cores], facts
+(a @ a).sum()  # and this process still computes
+print("ok")
+"""
+
+
+def _matmul_threads_of_rank():
+    a = torch.randn(1024, 1024)
+    (a @ a).sum()
+    return torch.get_num_threads()
+
+
+def test_each_rank_gets_its_share_of_the_cpu_threads_even_after_openmp_started_here():
+    # In a fresh interpreter, whose OpenMP has not started yet; then once it has (launch releases its threads).
+    script = _THREADS.replace("from tests.test_launch import _rank_facts",
+                              "from tests.test_launch import _rank_facts, _matmul_threads_of_rank")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def test_a_function_defined_inside_a_function_works_without_pickling():

@@ -3,5 +3,6 @@
 - ``compute``: FLOPs, GPUs, training time and MFU (lesson 00);
 - ``collectives``: the alpha-beta cost of each collective (lesson 01);
 - ``step``: the time of a training step, with overlap (lesson 02);
-- ``memory``: bytes per rank under DP, ZeRO, TP and PP, and transformer activations (lessons 04-05).
+- ``memory``: bytes per rank under DP, ZeRO, TP and PP, and transformer activations (lessons 04-06);
+- ``tensor_parallel``: every collective of a tensor-parallel step, and its time (lesson 06).
 """

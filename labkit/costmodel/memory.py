@@ -344,7 +344,8 @@ def activation_bytes(shape: TransformerShape, micro_batch: int, precision: str =
 
 
 def tinygpt_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | None = None,
-                             checkpointed: int = 0, training: bool = True, with_loss: bool = True) -> int:
+                             checkpointed: int = 0, training: bool = True, with_loss: bool = True,
+                             tp_degree: int | None = None, sequence_parallel: bool = False) -> int:
     """Bytes a fp32 ``TinyGPT(config)`` saves for backward on CPU: what :class:`ActivationMeter` measures
     around ``model(idx, targets)``, when the forward pass ends.
 
@@ -353,6 +354,12 @@ def tinygpt_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | 
     training);
     ``with_loss``: targets were given.  ``idx`` and ``targets`` are assumed to be tensors of their own, not
     views into larger ones (the meter counts whole storages).
+
+    ``tp_degree``: ``None`` for the plain model; ``t`` for one rank of the model split by
+    ``labkit.parallel.tensor.parallelize_tensor`` over ``t`` ranks (with ``sequence_parallel`` or not), whose
+    layers keep the dense ones' tensors at ``1/t`` of the width, and whose vocabulary-parallel embedding and
+    loss keep their own: the embedding's local ids and a one-byte mask of the ids outside this rank's rows;
+    the loss's softmax over this rank's ``V_padded / t`` columns, its local targets and their mask.
     """
     _check_count("batch_size", batch_size)
     s = config.block_size if seq_len is None else seq_len
@@ -362,17 +369,32 @@ def tinygpt_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | 
     if isinstance(checkpointed, bool) or not isinstance(checkpointed, int) \
             or not 0 <= checkpointed <= config.n_layer:
         raise ValueError(f"checkpointed must be an integer in [0, {config.n_layer}], got {checkpointed!r}")
-    b, h = batch_size, config.n_embd
+    t = 1 if tp_degree is None else tp_degree
+    _check_count("tp_degree", t)
+    if config.n_head % t or (sequence_parallel and s % t):
+        raise ValueError(f"tp_degree={t} must divide n_head={config.n_head}"
+                         + (f" and the sequence length {s}" if sequence_parallel else ""))
+    b, h, v = batch_size, config.n_embd, config.vocab_size
     dropout = training and config.dropout > 0
     mask_bytes = 4 if dropout else 0  # CPU dropout saves a float mask
     shape = dataclasses.replace(TransformerShape.from_gpt_config(config), seq_len=s)
+    sl = s // t if sequence_parallel else s  # the tokens of the regions between the split matrices, per rank
     # With dropout, CPU scaled_dot_product_attention takes the math path and stores the attention matrix.
-    sequence, tensor = _layer_activation_terms(shape, b, 4, mask_bytes, attention_matrix=dropout)
-    block = sequence + tensor + 2 * 8 * s * b  # + two LayerNorms' mean and rstd (fp32 per token)
-    block_input = 4 * s * b * h
-    outside = 8 * b * s + 8 * s + mask_bytes * s * b * h  # token and position ids; embedding dropout's mask
-    outside += 4 * s * b * h + 8 * s * b  # the final norm's input and statistics
-    outside += 4 * s * b * h  # the head's input
-    if with_loss:
-        outside += 4 * s * b * config.vocab_size + 8 * b * s + 4  # log-softmax output, targets, total weight
+    sequence, _ = _layer_activation_terms(dataclasses.replace(shape, seq_len=sl), b, 4, mask_bytes, dropout)
+    local = dataclasses.replace(shape, hidden_size=h // t, num_heads=config.n_head // t,
+                                num_kv_heads=config.n_head // t, ffn_hidden_size=4 * h // t)
+    _, tensor = _layer_activation_terms(local, b, 4, mask_bytes, attention_matrix=dropout)
+    block = sequence + tensor + 2 * 8 * sl * b  # + two LayerNorms' mean and rstd (fp32 per token)
+    block_input = 4 * sl * b * h
+    outside = 8 * sl + mask_bytes * sl * b * h  # position ids; the embedding dropout's mask
+    outside += 4 * sl * b * h + 8 * sl * b  # the final norm's input and statistics
+    outside += 4 * sl * b * h  # the head's input
+    if tp_degree is None:
+        outside += 8 * b * s  # token ids
+        if with_loss:
+            outside += 4 * s * b * v + 8 * b * s + 4  # log-softmax output, targets, total weight
+    else:
+        outside += 9 * b * s  # local token ids and the mask of those outside this rank's rows
+        if with_loss:
+            outside += 4 * s * b * (-(-v // t)) + 9 * b * s  # softmax of the local columns; local targets, mask
     return checkpointed * block_input + (config.n_layer - checkpointed) * block + outside

@@ -48,6 +48,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                         "Mixed precision: unscale, skip on overflow, the dynamic loss scale"),
     "zero": ("05_zero.py", "labkit.grading.checkers.zero",
              "ZeRO-1: shard the optimizer state, step the local shard, broadcast the updates"),
+    "tensor_parallel": ("06_tensor_parallel.py", "labkit.grading.checkers.tensor_parallel",
+                        "Tensor parallelism: the f and g operators, column- and row-parallel linear layers"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0

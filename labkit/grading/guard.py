@@ -20,6 +20,10 @@ implementations raise :class:`Forbidden` for as long as it lasts, however the st
 - the student's module's globals are scanned for forbidden callables whose code could not be swapped (none in
   labkit today), which are replaced there.
 
+A check may forbid torch's own answer to its exercise as well, by module, the same way
+(``@no_shortcuts(built_ins=[...])``): exercise 06 forbids DTensor's tensor parallelism and the differentiable
+collectives of ``torch.distributed.nn``, while leaving ``dist.all_reduce``, which its operators are built from.
+
 Everything is put back when the block ends (checks run in a child process that exits anyway; the ranks a check
 forks inherit the swapped code).  Cost: swapping the ~200 functions takes about 15 ms; under the dispatch mode
 every tensor operation makes one extra Python call, nothing next to an exercise's gloo messages.  The guard
@@ -51,7 +55,8 @@ from labkit.grading import CheckFailed
 LABKIT_IMPLEMENTATIONS = (
     "labkit.collectives",  # 01: the ring reduce-scatter, all-gather, all-reduce; broadcast; naive and tree
     "labkit.costmodel.collectives.chunk_bounds",  # 00: shard_bounds
-    "labkit.parallel",  # 02: DDP's broadcast, hook and buckets; 05: ZeRO's sharding and sharded optimizer
+    "labkit.parallel",  # 02: DDP's broadcast, hook and buckets; 05: ZeRO's sharding and sharded optimizer;
+    # 06: tensor parallelism's f and g and its split layers
     "labkit.lr",  # 03: the global batch, the linear rule, warmup and decay
     "labkit.precision",  # 04: the dynamic loss scaler
 )
@@ -137,7 +142,8 @@ def forbid(student: types.ModuleType | None = None, *, library: Iterable[str] = 
     for name in library:
         for function in _functions(_resolve(name)):
             if id(function) not in allowed:
-                swaps.append((function, f"used {_public_name(function)}, labkit's own implementation: {reason}"))
+                whose = "labkit's own implementation" if function.__module__.startswith("labkit") else "a built-in"
+                swaps.append((function, f"used {_public_name(function)}, {whose}: {reason}"))
     if collectives:
         for function in _torch_collectives():
             swaps.append((function, f"used {_public_name(function)}, a built-in collective: {reason}"))
@@ -166,15 +172,18 @@ def point_to_point_only(student: types.ModuleType | None = None, *, reason: str 
 
 
 def no_shortcuts(check: Callable[[types.ModuleType], None] | None = None, *,
-                 allow: Iterable[str] = ()) -> Callable:
-    """Decorate a check so that it runs under :func:`forbid` with labkit's implementations (less ``allow``):
-    ``@no_shortcuts`` or ``@no_shortcuts(allow=[...])``.  Ranks the check launches inherit the guard."""
-    allow = tuple(allow)
+                 allow: Iterable[str] = (), built_ins: Iterable[str] = ()) -> Callable:
+    """Decorate a check so that it runs under :func:`forbid` with labkit's implementations (less ``allow``) and
+    the torch modules named in ``built_ins``: ``@no_shortcuts`` or ``@no_shortcuts(allow=[...])``.  Ranks the
+    check launches inherit the guard."""
+    allow, library = tuple(allow), LABKIT_IMPLEMENTATIONS + tuple(built_ins)
+    for name in built_ins:  # import them now, at the checker's import, so that the check processes need not
+        _resolve(name)
 
     def decorate(check: Callable[[types.ModuleType], None]) -> Callable[[types.ModuleType], None]:
         @functools.wraps(check)
         def guarded(module: types.ModuleType) -> None:
-            with forbid(module, allow=allow):
+            with forbid(module, library=library, allow=allow):
                 check(module)
 
         guarded.guarded = True  # tests/test_grading.py asserts every check has it

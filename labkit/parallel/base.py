@@ -139,32 +139,43 @@ class ParallelWrapper(nn.Module):
         """Whether :meth:`gradients` holds disjoint shards (their norms add up over the group)."""
         return False
 
+    def _gradient_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+        """``(shards, whole, reduce)``: gradients whose norms add up over the group, gradients every rank holds
+        whole, and whether to all-reduce the shards' part (the same answer on every rank)."""
+        grads = [g for g in dict.fromkeys(self.gradients().values()) if g is not None]  # a tied one once
+        return (grads, [], True) if self._sharded() else ([], grads, False)
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so that their global norm is at most ``max_norm``; return the norm before.
 
         Equal to ``torch.nn.utils.clip_grad_norm_`` on one process holding the whole gradient: for sharded
-        gradients each rank's ``|g|^p`` sums (or maxima, for ``inf``) are all-reduced over the group first.
+        gradients each rank's ``|g|^p`` sums (or maxima, for ``inf``) are all-reduced over the group first, and
+        what every rank holds whole is added once.
         """
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
         norm_type = float(norm_type)
         if not (norm_type == math.inf or norm_type > 0):
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
-        grads = [g for g in dict.fromkeys(self.gradients().values()) if g is not None]  # a tied one once
-        device = grads[0].device if grads else next(self.module.parameters()).device
-        if norm_type == math.inf:
-            local = torch.stack([g.detach().abs().max() for g in grads if g.numel()]).max().float() \
-                if any(g.numel() for g in grads) else torch.zeros((), device=device)
-        else:
-            local = sum((g.detach().float().norm(norm_type) ** norm_type for g in grads),
-                        torch.zeros((), device=device))
-        if self._sharded():
+        shards, whole, reduce = self._gradient_parts()
+        device = next(self.module.parameters()).device
+
+        def norm_term(grads: list[torch.Tensor]) -> torch.Tensor:
+            if norm_type == math.inf:
+                maxima = [g.detach().abs().max().float() for g in grads if g.numel()]
+                return torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
+            return sum((g.detach().float().norm(norm_type) ** norm_type for g in grads),
+                       torch.zeros((), device=device))
+
+        local = norm_term(shards)
+        if reduce:
             op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
             dist.all_reduce(local, op=op, group=self.group)
+        local = torch.maximum(local, norm_term(whole)) if norm_type == math.inf else local + norm_term(whole)
         total = local if norm_type == math.inf else local ** (1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
+        for g in shards + whole:
             g.mul_(coefficient.to(g.dtype))
         return total
 

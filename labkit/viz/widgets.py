@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 import ipywidgets as widgets
 
 from labkit import lr
-from labkit.costmodel import collectives, compute, memory
+from labkit.costmodel import collectives, compute, memory, tensor_parallel
 from labkit.costmodel import step as step_model
-from labkit.viz import plots, training_plots
+from labkit.viz import plots, tensor_plots, training_plots
 
 
 def connect(controls: Sequence[widgets.Widget], draw: Callable[[], None]) -> None:
@@ -280,3 +280,72 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
     connect(controls, redraw)
     return widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:4])), widgets.VBox(list(controls[4:]))],
                                       layout=ROW), verdict, picture])
+
+
+# One GPU's links, per direction (sources in tensor_parallel_explorer's docstring).
+GPU_LINKS = {"NVLink 4 (inside a node)": collectives.LinkModel(alpha_s=5e-6, beta_s_per_byte=1 / 450e9),
+             "InfiniBand NDR (across nodes)": collectives.LinkModel(alpha_s=8e-6, beta_s_per_byte=1 / 50e9)}
+
+
+def tensor_parallel_explorer(hidden_size: int = 8192, seq_len: int = 4096, micro_batch: int = 1,
+                             tp_degree: int = 8, gpu: str = "H100 80GB", links: dict | None = None,
+                             node_size: int = 8) -> widgets.VBox:
+    """Tensor parallelism per layer on GPUs (lesson 06): the degree ``t``, hidden size, sequence length,
+    micro-batch, GPU and link -> one layer's compute (``layer_training_flops / t`` at the GPU's dense bf16 peak)
+    against its communication (two all-reduces of ``b s h`` bf16 values forward, two backward, on a ring over
+    the link, none overlapped), for every ``t`` from 1 to 64 (``tensor_parallel.tensor_parallel_layer_time``).
+    It shows why tensor parallelism stays inside a node: the compute falls as ``1/t``, the communication does
+    not fall at all, and across InfiniBand it is most of the layer's time.
+
+    ``links``: name -> ``collectives.LinkModel``, default :data:`GPU_LINKS`, per GPU and per direction:
+
+    - NVLink 4 on H100 SXM: 900 GB/s of total bandwidth, both directions together, so 450 GB/s each way, to the
+      other GPUs of an 8-GPU node through NVSwitch (NVIDIA H100 Tensor Core GPU datasheet);
+    - InfiniBand NDR: 400 Gb/s = 50 GB/s per port, one ConnectX-7 port per GPU in a DGX H100 (NVIDIA DGX H100
+      datasheet; NDR is the InfiniBand Trade Association's 100 Gb/s-per-lane rate, 4 lanes to a port).
+
+    Their latencies (5 and 8 us) are lesson 02's assumptions.  Every link but the last reaches only the
+    ``node_size`` GPUs of one node, so a larger group's ring crosses the last link and is as slow as it is:
+    past ``node_size`` the others are costed as the last one.
+    """
+    links = dict(GPU_LINKS if links is None else links)
+    across = list(links)[-1]
+    degree_slider = widgets.IntSlider(value=tp_degree, min=1, max=64, description="TP degree t")
+    hidden_slider = widgets.IntSlider(value=hidden_size, min=512, max=16384, step=256, description="hidden h")
+    sequence_slider = widgets.IntSlider(value=seq_len, min=128, max=32768, step=128, description="sequence s")
+    batch_slider = widgets.IntSlider(value=micro_batch, min=1, max=16, description="micro-batch b")
+    gpu_choice = widgets.Dropdown(options=list(compute.GPUS), value=gpu, description="GPU")
+    link_choice = widgets.Dropdown(options=list(links), description="link")
+    picture = widgets.Image(format="png")
+    summary = widgets.HTML()
+    degrees = list(range(1, 65))
+
+    def redraw() -> None:
+        b, s, h, t = batch_slider.value, sequence_slider.value, hidden_slider.value, degree_slider.value
+        peak = compute.GPUS[gpu_choice.value].peak_bf16_flops
+        times = {label: [tensor_parallel.tensor_parallel_layer_time(
+            b, s, h, n, peak, links[label] if n <= node_size else links[across]) for n in degrees]
+            for label in links}
+        chosen, link = times[link_choice.value][t - 1], link_choice.value.split(" (")[0]
+        curves = {(label if label == across else f"{label}, {across.split(' (')[0]} past {node_size} GPUs"):
+                  [time.communication_s for time in values] for label, values in times.items()}
+        chosen_label = next(label for label in curves if label.startswith(link_choice.value))
+        figure = tensor_plots.plot_layer_time(degrees, [time.compute_s for time in times[across]], curves, t,
+                                              chosen_label, node_size=node_size,
+                                              title=f"one layer, h = {h}, s = {s}, b = {b}, bf16, {gpu_choice.value}")
+        picture.value = plots.figure_to_png(figure)
+        if t == 1:
+            text = f"t = 1, one GPU: {chosen.compute_s * 1e3:.3g} ms of compute per layer, no communication"
+        else:
+            crossing = link_choice.value != across and t > node_size
+            text = (f"t = {t} over {link}" + (f" (past one node of {node_size} GPUs the ring crosses "
+                                              f"{across.split(' (')[0]})" if crossing else "")
+                    + f": compute {chosen.compute_s * 1e3:.3g} ms, communication {chosen.communication_s * 1e3:.3g} "
+                      f"ms per layer, {chosen.communication_fraction:.0%} of its time; {chosen.collectives} "
+                      f"all-reduces of b·s·h = {b * s * h * 2 / 1e6:,.1f} MB each")
+        summary.value = f"<small>{text}</small>"
+
+    connect((degree_slider, hidden_slider, sequence_slider, batch_slider, gpu_choice, link_choice), redraw)
+    controls = widgets.HBox([widgets.VBox([degree_slider, hidden_slider, sequence_slider]),
+                             widgets.VBox([batch_slider, gpu_choice, link_choice])], layout=ROW)
+    return widgets.VBox([controls, summary, picture])

@@ -1,0 +1,184 @@
+"""Lesson 06's additions: the per-rank and per-layer cost model of tensor parallelism, its plots and its explorer."""
+
+from __future__ import annotations
+
+import ipywidgets
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from labkit.costmodel import compute
+from labkit.costmodel import tensor_parallel as tp_model
+from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
+from labkit.launch import launch
+from labkit.models import Block, GPTConfig, TinyGPT
+from labkit.viz import tensor_plots, widgets
+
+NVLINK, INFINIBAND = LinkModel(5e-6, 1 / 450e9), LinkModel(8e-6, 1 / 50e9)
+PEAK = compute.GPUS["H100 80GB"].peak_bf16_flops
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The cost model
+
+
+def _held_by_a_rank(config: GPTConfig) -> tuple[int, int]:
+    from labkit.mesh import Mesh
+    from labkit.parallel.tensor import parallelize_tensor
+
+    torch.set_num_threads(1)
+    model = parallelize_tensor(TinyGPT(config, seed=0), Mesh(tp=torch.distributed.get_world_size()))
+    split = model.split_parameters()
+    held = dict(model.module.named_parameters())  # a tied weight once
+    return (sum(p.numel() for name, p in held.items() if name in split),
+            sum(p.numel() for name, p in held.items() if name not in split))
+
+
+@pytest.mark.parametrize(("overrides", "world_size"), [({}, 2), ({"vocab_size": 30, "tie_weights": False}, 4),
+                                                       ({"bias": False, "vocab_size": 30}, 4)])
+def test_parameters_per_rank_counts_what_a_tensor_parallel_rank_holds(overrides, world_size):
+    config = GPTConfig.preset("100k", **overrides)
+    held = tp_model.parameters_per_rank(config, world_size)
+    for split, whole in launch(_held_by_a_rank, config, nprocs=world_size):
+        assert (split, whole) == (held["split"], held["replicated"])
+    dense = TinyGPT(config).num_parameters()
+    if config.vocab_size % world_size:  # the padding rows are held too: more than the dense split over t
+        assert held["split"] * world_size > dense - held["replicated"]
+    else:
+        assert held["split"] * world_size == dense - held["replicated"]
+
+
+def test_layer_training_flops_match_torchs_count_of_a_block_forward_and_backward():
+    config = GPTConfig(n_embd=64, n_head=4, block_size=32)
+    block, x = Block(config), torch.randn(2, 32, 64, requires_grad=True)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:  # attention as matrix products
+        block(x).sum().backward()
+    assert counter.get_total_flops() == tp_model.layer_training_flops(2, 32, 64)
+    assert tp_model.layer_training_flops(2, 32, 64) != 3 * 24 * 2 * 32 * 64**2  # the s^2 term counts
+    with pytest.raises(ValueError, match="seq_len"):
+        tp_model.layer_training_flops(1, 0, 64)
+
+
+def test_layer_time_is_compute_over_t_beside_four_ring_all_reduces_that_do_not_shrink():
+    b, s, h = 1, 4096, 8192
+    single = tp_model.tensor_parallel_layer_time(b, s, h, 1, PEAK, NVLINK)
+    assert single.communication_s == 0 and single.collectives == 0 and single.communication_fraction == 0
+    previous = single
+    for t in (2, 4, 8, 64):
+        layer = tp_model.tensor_parallel_layer_time(b, s, h, t, PEAK, NVLINK)
+        assert layer.compute_s == pytest.approx(single.compute_s / t)
+        all_reduce = ring_all_reduce_cost(b * s * h * 2, t, NVLINK, element_size=2).time_s
+        assert layer.collectives == 4 and layer.communication_s == pytest.approx(4 * all_reduce)
+        assert layer.communication_s > previous.communication_s  # more ranks, more ring steps: never less
+        slow = tp_model.tensor_parallel_layer_time(b, s, h, t, PEAK, INFINIBAND)
+        assert slow.communication_fraction > layer.communication_fraction
+        previous = layer
+    parallel = tp_model.tensor_parallel_layer_time(b, s, h, 8, PEAK, NVLINK, sequence_parallel=True)
+    assert parallel.collectives == 10  # per half: all-gather, reduce-scatter forward; three backward
+    with pytest.raises(ValueError, match="peak_flops"):
+        tp_model.tensor_parallel_layer_time(b, s, h, 8, 0.0, NVLINK)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The plots
+
+
+def _rank_strips(axis) -> list:
+    return [patch for patch in axis.patches if patch.get_facecolor()[:3] != (1.0, 1.0, 1.0)]
+
+
+@pytest.mark.parametrize("tp_degree", [1, 2, 4])
+def test_split_picture_cuts_a_by_columns_and_b_by_rows_with_f_and_g_around_them(tp_degree):
+    figure = tensor_plots.plot_tensor_parallel_split(tp_degree)
+    column, row, flow = figure.axes
+    a_strips, b_strips = _rank_strips(column), _rank_strips(row)
+    assert len(a_strips) == len(b_strips) == tp_degree
+    assert len({strip.get_height() for strip in a_strips}) == 1 and len({strip.get_y() for strip in a_strips}) == 1
+    assert len({strip.get_width() for strip in b_strips}) == 1 and len({strip.get_x() for strip in b_strips}) == 1
+    if tp_degree > 1:  # side by side (columns) in A, stacked (rows) in B
+        assert len({strip.get_x() for strip in a_strips}) == tp_degree
+        assert len({strip.get_y() for strip in b_strips}) == tp_degree
+    texts = [text.get_text() for text in flow.texts]
+    assert sum(text.startswith("f\n") for text in texts) == 1 and sum(text.startswith("g\n") for text in texts) == 1
+    assert "backward:\nall-reduce" in next(text for text in texts if text.startswith("f\n"))
+    assert sum("partial sum" in text for text in texts) == tp_degree
+    with pytest.raises(ValueError, match="tp_degree"):
+        tensor_plots.plot_tensor_parallel_split(0)
+
+
+def test_communication_bars_have_the_measured_heights_and_the_models_ticks():
+    measured = {"t = 2": {"all_reduce": 2 * 2**20}, "t = 2, SP": {"all_gather": 3 * 2**20, "reduce_scatter": 2**20}}
+    predicted = {"t = 2": {"all_reduce": 2 * 2**20}, "t = 2, SP": {"all_gather": 3 * 2**20, "reduce_scatter": 2**20}}
+    figure = tensor_plots.plot_communication_bytes(measured, predicted)
+    axis = figure.axes[0]
+    heights = sorted(bar.get_height() for bar in axis.patches)
+    assert heights == [0, 0, 0, 1, 2, 3]  # three kinds for each of two configurations, in MiB
+    ticks = sorted(line.get_ydata()[0] for line in axis.lines)
+    assert ticks == [1, 2, 3] and "MiB" in axis.get_ylabel()
+    labels = [text.get_text() for text in axis.get_legend().get_texts()]
+    assert sorted(labels) == ["all-gather", "all-reduce", "model", "reduce-scatter"]
+
+
+def test_run_plot_puts_memory_and_step_time_against_the_degree_with_units():
+    figure = tensor_plots.plot_tensor_parallel_run([1, 2, 4], {"activations": [4 * 2**20, 3 * 2**20, 2 * 2**20]},
+                                                   {"activations": [4 * 2**20, 3 * 2**20, 2 * 2**20]},
+                                                   [0.05, 0.06, 0.1], [0.05, 0.03, 0.02])
+    memory_axis, time_axis = figure.axes
+    assert list(memory_axis.lines[0].get_ydata()) == [4, 3, 2] and "MiB" in memory_axis.get_ylabel()
+    assert list(time_axis.lines[0].get_ydata()) == pytest.approx([50, 60, 100]) and "ms" in time_axis.get_ylabel()
+    assert len(tensor_plots.plot_tensor_parallel_run([1, 2], {"weights": [2.0, 1.0]}).axes) == 1
+
+
+def test_layer_time_plot_marks_the_node_and_gives_each_links_share():
+    degrees = [1, 2, 4, 8, 16]
+    compute_s = [16e-3 / t for t in degrees]
+    communication = {"fast": [0.0, 1e-3, 2e-3, 3e-3, 9e-3], "slow": [0.0, 8e-3, 9e-3, 9e-3, 9e-3]}
+    figure = tensor_plots.plot_layer_time(degrees, compute_s, communication, 8, "fast", node_size=8)
+    curves, bars = figure.axes
+    assert any(list(line.get_xdata()) == [8, 8] for line in curves.lines)  # the node's edge
+    shares = sorted(text.get_text().strip() for text in bars.texts)
+    assert shares == ["60% communicating", "82% communicating"]  # 3 / (2 + 3) and 9 / (2 + 9)
+    assert "ms" in curves.get_ylabel() and "ms" in bars.get_xlabel()
+    with pytest.raises(ValueError, match="chosen_link"):
+        tensor_plots.plot_layer_time(degrees, compute_s, communication, 8, "pigeon")
+    with pytest.raises(ValueError, match="chosen_degree"):
+        tensor_plots.plot_layer_time(degrees, compute_s, communication, 3, "fast")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The explorer
+
+
+def _controls(widget) -> list:
+    if isinstance(widget, ipywidgets.Box):
+        return [control for child in widget.children for control in _controls(child)]
+    return [widget] if isinstance(widget, ipywidgets.ValueWidget) and getattr(widget, "description", "") else []
+
+
+def test_tensor_parallel_explorer_redraws_on_release_for_every_control():
+    explorer = widgets.tensor_parallel_explorer()
+    controls = _controls(explorer)
+    assert len(controls) == 6  # tests/test_browser.py's count for 06_tensor_parallel
+    picture = next(child for child in explorer.children if isinstance(child, ipywidgets.Image))
+    for control in controls:
+        if "continuous_update" in control.keys:
+            assert control.continuous_update is False
+        assert int(control.style.description_width.removesuffix("ch")) > len(control.description)
+        before = bytes(picture.value)
+        if isinstance(control, ipywidgets.Dropdown):
+            control.value = next(option for option in control.options if option != control.value)
+        else:
+            control.value = control.max if control.value != control.max else control.min
+        assert bytes(picture.value) != before, f"moving {control.description!r} left the figure as it was"
+
+
+def test_tensor_parallel_explorer_says_when_the_group_leaves_the_node():
+    explorer = widgets.tensor_parallel_explorer(tp_degree=8)
+    summary = explorer.children[1]
+    degree = next(control for control in _controls(explorer) if control.description == "TP degree t")
+    assert "over NVLink 4:" in summary.value and "crosses" not in summary.value
+    degree.value = 16
+    assert "the ring crosses InfiniBand NDR" in summary.value
+    degree.value = 1
+    assert "no communication" in summary.value
