@@ -1,0 +1,92 @@
+"""Time a pipeline schedule: place each rank's actions with real durations and measure the bubble.
+
+Each rank runs its actions in the schedule's order; an action starts when its rank is free and its inputs are
+done (the previous stage's ``F`` for a forward, the next stage's ``B`` or ``I`` for a backward), plus
+``send_s`` when an input crosses ranks.  Nothing else is modelled: no compute/communication overlap, no memory
+limit.  This is the same event-driven run that :func:`~.schedule.validate` uses with unit durations.
+
+**Bubble fraction** here is idle rank-time over total rank-time: ``idle / (p T)``, where ``T`` is the step's
+makespan and ``idle = p T - busy``.  Narayanan et al. (2021) instead quote the bubble *over the ideal time*
+``T_ideal = busy / p``: ``(p-1)/m`` for GPipe and 1F1B.  The two are linked by ``r = f / (1 - f)``, ``f = r /
+(1 + r)``: with ``r = (p-1)/m``, ``f = (p-1)/(m+p-1)``.  :attr:`Timeline.bubble_over_ideal` gives ``r``.
+
+**Activations held**: a stage stores one micro-batch's activations from its ``F`` until its ``B``, or, split,
+until its ``I`` (which uses most of them; the deferred ``W`` keeps only each layer's input and output gradient,
+as Qi et al. 2023 count).  :attr:`Timeline.peak_activations` is, per stage, the most micro-batches held at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from labkit.parallel.pipeline.schedule import Action, Schedule, _execute, validate
+
+Seconds = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What :func:`simulate` measured.  ``events[rank]`` is that rank's ``(start, end, action)``, in order."""
+
+    schedule: Schedule
+    events: list[list[tuple[float, float, Action]]]
+    total: float  # the makespan: when the last action ends
+    peak_activations: list[int]  # per stage: most micro-batches between F and B (or I) at once
+
+    @property
+    def busy(self) -> float:
+        return sum(end - start for row in self.events for start, end, _ in row)
+
+    @property
+    def idle(self) -> float:
+        return self.schedule.p * self.total - self.busy
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle rank-time over total rank-time, ``idle / (p T)``."""
+        return self.idle / (self.schedule.p * self.total)
+
+    @property
+    def bubble_over_ideal(self) -> float:
+        """Idle over busy rank-time, Narayanan's convention: ``(p-1)/m`` for 1F1B with uniform stages."""
+        return self.idle / self.busy
+
+
+def _per_stage(name: str, value: Seconds, stages: int) -> list[float]:
+    values = list(value) if isinstance(value, Sequence) else [value] * stages
+    if len(values) != stages:
+        raise ValueError(f"{name} needs one duration per stage: {stages} stages, got {len(values)} values")
+    if any(x < 0 for x in values):
+        raise ValueError(f"{name} must be >= 0, got {values}")
+    return values  # type: ignore[return-value]
+
+
+def simulate(schedule: Schedule, forward_s: Seconds = 1.0, backward_s: Seconds = 2.0,
+             weight_s: Seconds | None = None, send_s: float = 0) -> Timeline:
+    """Place ``schedule``'s actions in time (after :func:`validate`).
+
+    Durations are per stage (a list of ``p v`` values) or one for all.  ``backward_s`` is a full ``B``; a split
+    backward costs the same in total: ``W`` takes ``weight_s`` (``backward_s / 2`` by default) and ``I`` the
+    rest.  For interleaved schedules the durations are per chunk: pass ``1/v`` of a whole rank's share to
+    compare with the same model on ``v = 1``.  Exact numbers (``int``, ``fractions.Fraction``) stay exact.
+    """
+    validate(schedule)
+    stages = schedule.stages
+    f = _per_stage("forward_s", forward_s, stages)
+    b = _per_stage("backward_s", backward_s, stages)
+    w = [x / 2 for x in b] if weight_s is None else _per_stage("weight_s", weight_s, stages)
+    if any(wi > bi for wi, bi in zip(w, b, strict=True)):
+        raise ValueError(f"weight_s {w} must not exceed backward_s {b}: I takes backward_s - weight_s")
+    if send_s < 0:
+        raise ValueError(f"send_s must be >= 0, got {send_s}")
+    durations = {"F": f, "B": b, "I": [bi - wi for bi, wi in zip(b, w, strict=True)], "W": w}
+    events = _execute(schedule, lambda action: durations[action.kind][action.stage], send_s)
+    total = max((row[-1][1] for row in events if row), default=0.0)
+    peak = [0] * stages
+    held = [0] * stages
+    for order in schedule.orders():
+        for action in order:  # a stage's actions all run on one rank, so that rank's order is their order
+            held[action.stage] += {"F": 1, "B": -1, "I": -1}.get(action.kind, 0)
+            peak[action.stage] = max(peak[action.stage], held[action.stage])
+    return Timeline(schedule, events, total, peak)
