@@ -258,9 +258,8 @@ class TensorParallel(ParallelWrapper):
     # -- communication ---------------------------------------------------------------------------------------
 
     def _on_collective(self, phase: str, kind: str, where: str, tensor: torch.Tensor) -> None:
-        if self._step_reduced:
+        if self._step_reduced:  # a step's first collective outside a forward (its forward resets on its own)
             self._log.clear()
-            self._forwards = 0 if phase == "forward" else self._forwards
         self._count(kind, tensor)
         self._log.append(Collective(phase, kind, where, tensor.numel() * tensor.element_size()))
 
