@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Runs on a machine with a CUDA GPU whose python3 already has torch (the device machine's image does).
 # Usage: bash benchmarks/gpu_check.sh   — prints the NCCL path check, the fp32/bf16/fp16 step-time table and the
-# tensor-parallel check (labkit.parallel.tensor on cuda:0 through NCCL at tp=1: operators, layers, wrapper, dropout).
+# tensor-parallel check (labkit.parallel.tensor on cuda:0 through NCCL at tp=1: operators, layers, wrapper, dropout)
+# and the pipeline runtime's check (labkit.parallel.pipeline on cuda:0, p=1: GPipe, 1F1B, ZB-H1's split backward).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 PYTHON="${PYTHON:-python3}"
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 PYTHONPATH="$PWD" "$PYTHON" -m labkit.cli doctor
-PYTHONPATH="$PWD" timeout 480 "$PYTHON" benchmarks/gpu_check.py
+status=0
+PYTHONPATH="$PWD" timeout 480 "$PYTHON" benchmarks/gpu_check.py || status=$?
+PYTHONPATH="$PWD" timeout 120 "$PYTHON" benchmarks/gpu_check_pipeline.py || status=$?
+exit $status

@@ -11,6 +11,32 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def explorer_controls(widget) -> list:
+    """Every value control (slider, dropdown, checkbox, multi-select) inside an explorer ``widget``, in order."""
+    import ipywidgets
+
+    if isinstance(widget, ipywidgets.Box):
+        return [control for child in widget.children for control in explorer_controls(child)]
+    return [widget] if isinstance(widget, ipywidgets.ValueWidget) and getattr(widget, "description", "") else []
+
+
+def check_every_control_redraws(explorer, count: int, move) -> None:
+    """Each of the explorer's ``count`` controls redraws on release only, shows its whole description, and
+    changes the figure when ``move(control)`` moves it (``count``: tests/test_browser.py's for the notebook)."""
+    import ipywidgets
+
+    controls = explorer_controls(explorer)
+    assert len(controls) == count
+    picture = next(child for child in explorer.children if isinstance(child, ipywidgets.Image))
+    for control in controls:
+        if "continuous_update" in control.keys:
+            assert control.continuous_update is False
+        assert int(control.style.description_width.removesuffix("ch")) > len(control.description)
+        before = bytes(picture.value)
+        move(control)
+        assert bytes(picture.value) != before, f"moving {control.description!r} left the figure as it was"
+
+
 def live_descendants(pid: int | None = None) -> set[int]:
     """Every process below ``pid`` (default: this one), read from /proc (Linux)."""
     pid = os.getpid() if pid is None else pid

@@ -9,6 +9,7 @@ from matplotlib.figure import Figure
 from labkit.costmodel import compute
 from labkit.costmodel import step as step_model
 from labkit.viz import plots, training_plots, widgets
+from tests.conftest import explorer_controls
 
 
 def test_training_flops_is_six_n_d():
@@ -278,13 +279,6 @@ def test_memory_explorer_says_whether_the_model_fits():
 # Every explorer as a learner drives it: redraw on release, the latest state shown, nothing cut off
 
 
-def _controls(widget):
-    """Every value control (slider, dropdown, checkbox, multi-select) inside ``widget``, in order."""
-    if isinstance(widget, ipywidgets.Box):
-        return [control for child in widget.children for control in _controls(child)]
-    return [widget] if isinstance(widget, ipywidgets.ValueWidget) and getattr(widget, "description", "") else []
-
-
 def _explorers(ring_records):
     from labkit.costmodel.collectives import LinkModel
 
@@ -298,7 +292,7 @@ def _explorers(ring_records):
 
 def test_every_explorer_slider_redraws_on_release_and_no_description_is_cut(ring_records):
     explorers = _explorers(ring_records)
-    controls = {name: _controls(explorer) for name, explorer in explorers.items()}
+    controls = {name: explorer_controls(explorer) for name, explorer in explorers.items()}
     assert sum(map(len, controls.values())) == 31  # the lessons' explorers: 5 + 3 + 2 + 5 + 6 + 2 + 8
     for name, found in controls.items():
         sliders = [control for control in found if "continuous_update" in control.keys]
@@ -316,7 +310,7 @@ def test_every_explorer_slider_redraws_on_release_and_no_description_is_cut(ring
 def test_every_explorer_control_changes_its_figure(ring_records):
     for name, explorer in _explorers(ring_records).items():
         picture = next(child for child in explorer.children if isinstance(child, ipywidgets.Image))
-        for control in _controls(explorer):
+        for control in explorer_controls(explorer):
             before = bytes(picture.value)
             if isinstance(control, ipywidgets.SelectMultiple):
                 control.value = control.value[:-1]
@@ -331,7 +325,7 @@ def test_every_explorer_control_changes_its_figure(ring_records):
 
 def test_lr_schedule_multi_select_shows_every_option():
     explorer = widgets.lr_schedule_explorer()
-    multiples = next(c for c in _controls(explorer) if isinstance(c, ipywidgets.SelectMultiple))
+    multiples = next(c for c in explorer_controls(explorer) if isinstance(c, ipywidgets.SelectMultiple))
     assert multiples.rows >= len(multiples.options)
 
 

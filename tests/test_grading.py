@@ -16,6 +16,7 @@ from labkit.grading.checkers import collectives as collectives_checks
 from labkit.grading.checkers import data_parallel as data_parallel_checks
 from labkit.grading.checkers import lr_scaling as lr_scaling_checks
 from labkit.grading.checkers import mixed_precision as mixed_precision_checks
+from labkit.grading.checkers import pipeline_parallel as pipeline_parallel_checks
 from labkit.grading.checkers import setup as setup_checks
 from labkit.grading.checkers import tensor_parallel as tensor_parallel_checks
 from labkit.grading.checkers import zero as zero_checks
@@ -266,3 +267,66 @@ def test_the_bucket_exercise_teaches_the_rule_labkit_ddp_uses():
     for sizes, cap, expected in data_parallel_checks.BUCKET_CASES:
         parameters = [(str(index), torch.zeros(size, dtype=torch.uint8)) for index, size in enumerate(sizes)]
         assert assign_buckets(parameters, cap) == expected, (sizes, cap)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exercise 07: the 1F1B order
+
+
+def test_the_guard_refuses_the_1f1b_generators_but_leaves_the_pipeline_checkers_tools_working():
+    import enum
+    import signal
+
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+
+    from labkit.parallel.pipeline import Action, Schedule, gpipe, one_f_one_b, simulate, validate
+
+    code = get_schedule_ops.__code__
+    library = guard.LABKIT_IMPLEMENTATIONS + pipeline_parallel_checks.BUILT_INS
+    orders = [[Action(0, "F", 0), Action(0, "B", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
+    with guard.forbid(library=library, allow=pipeline_parallel_checks.CHECKER_TOOLS):
+        schedule = Schedule(2, 1, 1, "by hand", orders)
+        validate(schedule)
+        assert simulate(schedule, forward_s=1, backward_s=2).total == 6
+        for call in (lambda: one_f_one_b(2, 1), lambda: gpipe(2, 1)):
+            with pytest.raises(guard.Forbidden, match="labkit's own implementation"):
+                call()
+        for call in (lambda: get_schedule_ops("1F1B", 2, 2), lambda: Schedule1F1B._get_pipeline_order(None)):
+            with pytest.raises(guard.Forbidden, match="a built-in: this exercise asks you to write it yourself"):
+                call()
+        assert signal.Signals(9) is signal.SIGKILL and isinstance(enum.Enum("E", "A").A, enum.Enum)  # enums whole
+    assert get_schedule_ops.__code__ is code and one_f_one_b(2, 1).p == 2
+
+
+@pytest.mark.parametrize("name, used", [
+    ("pipeline_parallel_labkit_schedule", "labkit.parallel.pipeline.schedule.one_f_one_b, labkit's own"),
+    ("pipeline_parallel_torch_schedule_ops", "torch.distributed.pipelining._schedule_visualizer.get_schedule_ops, a built-in"),
+    ("pipeline_parallel_torch_1f1b_internals", "torch.distributed.pipelining.schedules.Schedule1F1B._get_pipeline_order, a built-in"),
+])
+def test_the_pipeline_checks_refuse_labkits_and_torchs_1f1b_tables(name, used, tmp_path):
+    result = grading.run_check(pipeline_parallel_checks.check_orders_run, BY_NAME[name].write(tmp_path / name))
+    assert not result.passed and used in result.message, result.message
+
+
+@pytest.mark.parametrize("name, check, hints", [
+    ("pipeline_parallel_warmup_one_long", 2, ["rank 0 of p=4, m=16 holds 5 micro-batches at peak; 1F1B holds "
+                                              "min(p - rank, m) = 4: your warm-up runs too many forwards"]),
+    ("pipeline_parallel_gpipe", 2, ["holds 16 micro-batches at peak", "all m of them, as GPipe does"]),
+    ("pipeline_parallel_warmup_one_short_clamped", 1, ["p=4, m=16: your orders take 102 time units",
+                                                       "3 (m + p - 1) = 57", "(p - 1)/(m + p - 1) = 3/19",
+                                                       "rank 0 runs 3 forward(s) before its first backward"]),
+    ("pipeline_parallel_cooldown_newest_first", 1, ["the warm-ups are right, but pass 30 of rank 0 is (\"B\", 15), "
+                                                    "where 1F1B runs (\"B\", 13)"]),
+    ("pipeline_parallel_warmup_ignores_rank", 1, ["rank 1 runs 4 forward(s) before its first backward, where 1F1B "
+                                                  "runs min(p - rank, m) = 3"]),
+    ("pipeline_parallel_no_cooldown", 0, ['never runs ("B", 13), ("B", 14), ("B", 15)', "the cool-down"]),
+    ("pipeline_parallel_no_min_with_m", 0, ["('F', 2), but the micro-batches are numbered 0 to m - 1 = 1",
+                                            "min(p - 1 - rank, m)"]),
+    ("pipeline_parallel_warmup_one_short", 0, ["('F', -1)", "min(p - 1 - rank, m) = 0"]),
+    ("pipeline_parallel_warmup_reversed", 0, ["cannot run these orders together: your 1F1B: deadlock",
+                                              "rank 0 at 0B0 waits for 1B0", "2B5 is rank 2's (\"B\", 5)"]),
+])
+def test_the_pipeline_hints_say_what_went_wrong_in_the_students_terms(name, check, hints, tmp_path):
+    result = grading.run_check(pipeline_parallel_checks.CHECKS[check], BY_NAME[name].write(tmp_path / name))
+    assert not result.passed and all(hint in result.message for hint in hints), result.message

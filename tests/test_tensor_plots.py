@@ -14,6 +14,7 @@ from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
 from labkit.launch import launch
 from labkit.models import Block, GPTConfig, TinyGPT
 from labkit.viz import tensor_plots, widgets
+from tests.conftest import check_every_control_redraws, explorer_controls
 
 NVLINK, INFINIBAND = LinkModel(5e-6, 1 / 450e9), LinkModel(8e-6, 1 / 50e9)
 PEAK = compute.GPUS["H100 80GB"].peak_bf16_flops
@@ -150,33 +151,22 @@ def test_layer_time_plot_marks_the_node_and_gives_each_links_share():
 # The explorer
 
 
-def _controls(widget) -> list:
-    if isinstance(widget, ipywidgets.Box):
-        return [control for child in widget.children for control in _controls(child)]
-    return [widget] if isinstance(widget, ipywidgets.ValueWidget) and getattr(widget, "description", "") else []
+def _to_the_other_end(control) -> None:
+    if isinstance(control, ipywidgets.Dropdown):
+        control.value = next(option for option in control.options if option != control.value)
+    else:
+        control.value = control.max if control.value != control.max else control.min
 
 
 def test_tensor_parallel_explorer_redraws_on_release_for_every_control():
-    explorer = widgets.tensor_parallel_explorer()
-    controls = _controls(explorer)
-    assert len(controls) == 6  # tests/test_browser.py's count for 06_tensor_parallel
-    picture = next(child for child in explorer.children if isinstance(child, ipywidgets.Image))
-    for control in controls:
-        if "continuous_update" in control.keys:
-            assert control.continuous_update is False
-        assert int(control.style.description_width.removesuffix("ch")) > len(control.description)
-        before = bytes(picture.value)
-        if isinstance(control, ipywidgets.Dropdown):
-            control.value = next(option for option in control.options if option != control.value)
-        else:
-            control.value = control.max if control.value != control.max else control.min
-        assert bytes(picture.value) != before, f"moving {control.description!r} left the figure as it was"
+    # 6: tests/test_browser.py's count for 06_tensor_parallel
+    check_every_control_redraws(widgets.tensor_parallel_explorer(), 6, _to_the_other_end)
 
 
 def test_tensor_parallel_explorer_says_when_the_group_leaves_the_node():
     explorer = widgets.tensor_parallel_explorer(tp_degree=8)
     summary = explorer.children[1]
-    degree = next(control for control in _controls(explorer) if control.description == "TP degree t")
+    degree = next(control for control in explorer_controls(explorer) if control.description == "TP degree t")
     assert "over NVLink 4:" in summary.value and "crosses" not in summary.value
     degree.value = 16
     assert "the ring crosses InfiniBand NDR" in summary.value

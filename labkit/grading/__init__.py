@@ -50,6 +50,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
              "ZeRO-1: shard the optimizer state, step the local shard, broadcast the updates"),
     "tensor_parallel": ("06_tensor_parallel.py", "labkit.grading.checkers.tensor_parallel",
                         "Tensor parallelism: the f and g operators, column- and row-parallel linear layers"),
+    "pipeline_parallel": ("07_pipeline_parallel.py", "labkit.grading.checkers.pipeline_parallel",
+                          "Pipeline parallelism: the 1F1B order of one rank"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0

@@ -22,7 +22,9 @@ implementations raise :class:`Forbidden` for as long as it lasts, however the st
 
 A check may forbid torch's own answer to its exercise as well, by module, the same way
 (``@no_shortcuts(built_ins=[...])``): exercise 06 forbids DTensor's tensor parallelism and the differentiable
-collectives of ``torch.distributed.nn``, while leaving ``dist.all_reduce``, which its operators are built from.
+collectives of ``torch.distributed.nn``, while leaving ``dist.all_reduce``, which its operators are built from;
+exercise 07 forbids the 1F1B schedules of ``torch.distributed.pipelining`` and the helpers that list their
+actions.
 
 Everything is put back when the block ends (checks run in a child process that exits anyway; the ranks a check
 forks inherit the swapped code).  Cost: swapping the ~200 functions takes about 15 ms; under the dispatch mode
@@ -56,7 +58,7 @@ LABKIT_IMPLEMENTATIONS = (
     "labkit.collectives",  # 01: the ring reduce-scatter, all-gather, all-reduce; broadcast; naive and tree
     "labkit.costmodel.collectives.chunk_bounds",  # 00: shard_bounds
     "labkit.parallel",  # 02: DDP's broadcast, hook and buckets; 05: ZeRO's sharding and sharded optimizer;
-    # 06: tensor parallelism's f and g and its split layers
+    # 06: tensor parallelism's f and g and its split layers; 07: the 1F1B schedule
     "labkit.lr",  # 03: the global batch, the linear rule, warmup and decay
     "labkit.precision",  # 04: the dynamic loss scaler
 )

@@ -1,8 +1,11 @@
 """Pipeline parallelism.  ``schedule``: schedules as data (GPipe, 1F1B, interleaved 1F1B, ZB-H1), their
 validation and torch's CSV form; ``simulate``: their timing, bubble and activations held, without any process
-group; ``stage``: TinyGPT split into stages, each rank's stages with their forward, backward and the
-point-to-point messages between neighbours (shapes agreed once)."""
+group; ``stage``: TinyGPT split into stages, each rank's stages with their forward, backward (whole or split
+into I and W) and the point-to-point messages between neighbours (shapes agreed once); ``runtime``: a schedule
+run on real ranks and timed into the simulator's ``Timeline``; ``timed``: stages that wait instead of compute,
+to measure a schedule's bubble free of CPU contention."""
 
+from labkit.parallel.pipeline.runtime import PipelineRun, build_pipeline, run_schedule
 from labkit.parallel.pipeline.schedule import (
     Action,
     Schedule,
@@ -16,6 +19,8 @@ from labkit.parallel.pipeline.schedule import (
 )
 from labkit.parallel.pipeline.simulate import Timeline, simulate
 from labkit.parallel.pipeline.stage import PipelineStage, build_stage, split_stages
+from labkit.parallel.pipeline.timed import TimedStage, timed_pipeline
 
-__all__ = ["Action", "PipelineStage", "Schedule", "Timeline", "build_stage", "from_csv", "gpipe", "interleaved_1f1b",
-           "one_f_one_b", "simulate", "split_stages", "to_csv", "validate", "zb_h1"]
+__all__ = ["Action", "PipelineRun", "PipelineStage", "Schedule", "TimedStage", "Timeline", "build_pipeline",
+           "build_stage", "from_csv", "gpipe", "interleaved_1f1b", "one_f_one_b", "run_schedule", "simulate",
+           "split_stages", "timed_pipeline", "to_csv", "validate", "zb_h1"]

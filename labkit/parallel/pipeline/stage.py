@@ -31,6 +31,15 @@ and its output, whose autograd graph holds every intermediate activation of the 
 pipeline schedules trade against the bubble: GPipe holds ``m`` micro-batches, 1F1B at most ``p - r``).
 ``backward`` frees them.
 
+**A split backward** (zero-bubble schedules, Qi et al. 2023) runs ``B`` as two passes.  :meth:`backward_input`
+(``I``) computes the gradient of the stage's input, which the previous stage waits for, and the gradient of the
+output of every layer that holds weights (``Linear``, ``LayerNorm``, ``Embedding``): ``torch.autograd.grad``
+asked only for those computes no weight gradient at all (each ``AddmmBackward`` skips the products no one asked
+for).  :meth:`backward_weight` (``W``) then turns each layer's output gradient into its weights' gradients, one
+small ``autograd.backward(output, grad, inputs=layer's parameters)`` per layer: ``dW = dYᵀ X`` for a linear
+layer.  Between the two the stage keeps the graph (``retain_graph``), so here a deferred ``W`` holds all of a
+micro-batch's activations, more than the layer inputs that Qi et al. count; the time is split as theirs is.
+
 **Loss scaling.**  The last stage's ``forward`` returns the micro-batch's mean cross-entropy, unscaled (for
 logging); its ``backward`` back-propagates ``loss / num_microbatches``, so that after all ``m`` backward passes
 every stage's gradients are those of the mean loss over the batch (equal micro-batches): exactly what one
@@ -136,7 +145,11 @@ class PipelineStage:
         self.dtype = dtype or parameter.dtype
         self.activation_shape = torch.Size((_check_count("micro_batch_size", micro_batch_size),
                                             _check_count("seq_len", seq_len), module.config.n_embd))
-        self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (input, output)
+        # micro-batch -> (input, output, [(layer, its output)] for a split backward, else None)
+        self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor, list | None]] = {}
+        self._weight_work: dict[int, list[tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {}  # I done, W not
+        self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
+        self._hooked = False  # hooks on the weight-holding layers, added by the first split forward
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def __repr__(self) -> str:
@@ -153,13 +166,19 @@ class PipelineStage:
             raise ValueError(f"microbatch must be in [0, {self.num_microbatches}) "
                              f"(num_microbatches={self.num_microbatches}), got {microbatch!r}")
 
-    def forward(self, microbatch: int, input_or_ids: torch.Tensor,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+    def _capture_output(self, layer: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        if self._capture is not None:
+            self._capture.append((layer, output))
+
+    def forward(self, microbatch: int, input_or_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
+                split_backward: bool = False) -> torch.Tensor:
         """Run this stage on one micro-batch: token ids ``[b, s]`` on the first stage, the previous stage's
         output ``[b, s, h]`` on the others.  Returns the output ``[b, s, h]`` to send on, or on the last stage
         the micro-batch's mean loss (``targets`` required there, refused elsewhere), unscaled.
 
-        Keeps the input and the output (with its autograd graph) until :meth:`backward` of the same micro-batch.
+        Keeps the input and the output (with its autograd graph) until :meth:`backward` of the same micro-batch,
+        or, with ``split_backward``, also each weight-holding layer's output, for :meth:`backward_input` and
+        :meth:`backward_weight`.
         """
         self._check_microbatch(microbatch)
         if microbatch in self._saved:
@@ -173,10 +192,36 @@ class PipelineStage:
             self._check_shape("input", input_or_ids)
             # A leaf of this stage's graph: backward stops here, and its .grad goes to the previous stage.
             inputs = input_or_ids.detach().requires_grad_(True)
-        output, loss = self.module(input_or_ids if self.is_first else inputs, targets)
+        if split_backward and not self._hooked:
+            for layer in self.module.modules():  # the layers that hold weights themselves: a split backward's W units
+                if any(True for _ in layer.parameters(recurse=False)):
+                    layer.register_forward_hook(self._capture_output)
+            self._hooked = True
+        self._capture = [] if split_backward else None
+        try:
+            output, loss = self.module(input_or_ids if self.is_first else inputs, targets)
+        finally:
+            captured, self._capture = self._capture, None
         result = loss if self.is_last else output
-        self._saved[microbatch] = (inputs, result)
+        self._saved[microbatch] = (inputs, result, captured)
         return result
+
+    def _take(self, microbatch: int, grad_output: torch.Tensor | None, split: bool):
+        self._check_microbatch(microbatch)
+        if microbatch not in self._saved:
+            raise ValueError(f"stage {self.stage} has no forward of micro-batch {microbatch} awaiting backward")
+        if self.is_last != (grad_output is None):
+            raise ValueError(f"stage {self.stage} of {self.num_stages}: the last stage starts backward from its "
+                             "loss and takes no grad_output; every other stage needs the next stage's gradient")
+        if split and self._saved[microbatch][2] is None:
+            raise ValueError(f"stage {self.stage}: the forward of micro-batch {microbatch} ran without "
+                             "split_backward=True, so its backward cannot be split into I and W")
+        if not self.is_last:
+            self._check_shape("grad_output", grad_output)
+        inputs, output, captured = self._saved.pop(microbatch)
+        # The root of this stage's backward: the last stage's share of the mean loss, or the output and its grad.
+        root, grad = (output / self.num_microbatches, None) if self.is_last else (output, grad_output)
+        return inputs, root, grad, captured
 
     def backward(self, microbatch: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
         """Back-propagate one micro-batch through this stage, accumulating into its parameters' ``.grad``.
@@ -185,24 +230,46 @@ class PipelineStage:
         the gradient of the output that the next stage sent back.  Returns the gradient of this stage's input,
         to send to the previous stage (``None`` on the first stage), and frees what :meth:`forward` kept.
         """
-        self._check_microbatch(microbatch)
-        if microbatch not in self._saved:
-            raise ValueError(f"stage {self.stage} has no forward of micro-batch {microbatch} awaiting backward")
-        if self.is_last != (grad_output is None):
-            raise ValueError(f"stage {self.stage} of {self.num_stages}: the last stage starts backward from its "
-                             "loss and takes no grad_output; every other stage needs the next stage's gradient")
-        inputs, output = self._saved.pop(microbatch)
-        if self.is_last:
-            (output / self.num_microbatches).backward()
-        else:
-            self._check_shape("grad_output", grad_output)
-            torch.autograd.backward(output, grad_output)
+        inputs, root, grad, _ = self._take(microbatch, grad_output, split=False)
+        torch.autograd.backward(root, grad)
         return None if inputs is None else inputs.grad
+
+    def backward_input(self, microbatch: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``I``: the first half of a split backward (forward ran with ``split_backward=True``).
+
+        Returns the gradient of this stage's input, as :meth:`backward` does, and keeps the gradient of each
+        weight-holding layer's output for :meth:`backward_weight`; no parameter's ``.grad`` changes yet.
+        """
+        inputs, root, grad, captured = self._take(microbatch, grad_output, split=True)
+        wanted = ([] if inputs is None else [inputs]) + [output for _, output in captured]
+        grads = torch.autograd.grad(root, wanted, grad, retain_graph=True, allow_unused=True)
+        grad_input = None if inputs is None else grads[0]
+        layer_grads = grads[len(wanted) - len(captured):]
+        self._weight_work[microbatch] = [(layer, output, layer_grad) for (layer, output), layer_grad
+                                         in zip(captured, layer_grads, strict=True) if layer_grad is not None]
+        return grad_input
+
+    def backward_weight(self, microbatch: int) -> None:
+        """``W``: the weight gradients of ``microbatch`` from what :meth:`backward_input` kept, accumulated into
+        ``.grad``; then the micro-batch's graph is released."""
+        self._check_microbatch(microbatch)
+        if microbatch not in self._weight_work:
+            raise ValueError(f"stage {self.stage} has no input gradient (I) of micro-batch {microbatch} "
+                             "awaiting its weight gradient (W)")
+        for layer, output, layer_grad in self._weight_work.pop(microbatch):
+            # Only this layer's own weights: its output's gradient must not flow on into earlier layers.
+            torch.autograd.backward(output, layer_grad, inputs=list(layer.parameters(recurse=False)))
 
     @property
     def pending_microbatches(self) -> list[int]:
-        """The micro-batches whose forward ran and whose backward has not: what this stage holds in memory."""
+        """The micro-batches whose forward ran and whose backward (``B`` or ``I``) has not: their activations are
+        what this stage holds in memory."""
         return sorted(self._saved)
+
+    @property
+    def pending_weights(self) -> list[int]:
+        """The micro-batches whose ``I`` ran and whose ``W`` has not."""
+        return sorted(self._weight_work)
 
     # ------------------------------------------------------------------------------------------------
     # Messages
@@ -226,32 +293,44 @@ class PipelineStage:
         self._sends.append((work, tensor))  # the buffer must outlive the send
         return work
 
-    def _recv(self, peer: int | None, tag: int, what: str, requires_grad: bool) -> torch.Tensor:
+    def _irecv(self, peer: int | None, tag: int, what: str) -> tuple[dist.Work, torch.Tensor]:
         if peer is None:
             raise ValueError(f"stage {self.stage} of {self.num_stages} has no stage to receive its {what} from")
         buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-        dist.irecv(buffer, src=peer, tag=tag).wait()
-        return buffer.requires_grad_(requires_grad)
+        return dist.irecv(buffer, src=peer, tag=tag), buffer
 
     def send_activation(self, microbatch: int, output: torch.Tensor) -> dist.Work:
         """Start sending this stage's output of ``microbatch`` to the next stage (non-blocking)."""
         self._check_microbatch(microbatch)
         return self._send(output, self.next_rank, self._tag(self.stage, False, microbatch), "activation")
 
+    def irecv_activation(self, microbatch: int) -> tuple[dist.Work, torch.Tensor]:
+        """Post the receive of the previous stage's output of ``microbatch``: ``(work, buffer)``, the buffer
+        filled once ``work.wait()`` returns."""
+        self._check_microbatch(microbatch)
+        return self._irecv(self.prev_rank, self._tag(self.stage - 1, False, microbatch), "activation")
+
     def recv_activation(self, microbatch: int) -> torch.Tensor:
         """The previous stage's output of ``microbatch``: a fresh ``[b, s, h]`` buffer that requires grad."""
-        self._check_microbatch(microbatch)
-        return self._recv(self.prev_rank, self._tag(self.stage - 1, False, microbatch), "activation", True)
+        work, buffer = self.irecv_activation(microbatch)
+        work.wait()
+        return buffer.requires_grad_(True)
 
     def send_gradient(self, microbatch: int, grad_input: torch.Tensor) -> dist.Work:
         """Start sending the gradient of this stage's input of ``microbatch`` to the previous stage."""
         self._check_microbatch(microbatch)
         return self._send(grad_input, self.prev_rank, self._tag(self.stage - 1, True, microbatch), "gradient")
 
+    def irecv_gradient(self, microbatch: int) -> tuple[dist.Work, torch.Tensor]:
+        """Post the receive of the gradient of this stage's output of ``microbatch``: ``(work, buffer)``."""
+        self._check_microbatch(microbatch)
+        return self._irecv(self.next_rank, self._tag(self.stage, True, microbatch), "gradient")
+
     def recv_gradient(self, microbatch: int) -> torch.Tensor:
         """The gradient of this stage's output of ``microbatch``, from the next stage."""
-        self._check_microbatch(microbatch)
-        return self._recv(self.next_rank, self._tag(self.stage, True, microbatch), "gradient", False)
+        work, buffer = self.irecv_gradient(microbatch)
+        work.wait()
+        return buffer
 
     def wait_sends(self) -> None:
         """Wait until every send started so far has completed, and release its buffer."""
