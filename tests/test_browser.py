@@ -47,7 +47,7 @@ SERVER_START_S = 180       # JupyterLab's first start on two busy cores
 OPEN_S = 180               # the notebook page loaded, rendered, and its kernel idle
 RUN_ALL_S = 900            # one notebook's Run All (a minute or less on an idle laptop)
 REDRAW_S = 120             # one control moved until its figure changed and the kernel is idle again
-UNCHANGED_S = 15           # the kernel idle this long after a move, the figure unchanged: the move did nothing
+UNCHANGED_S = 6            # the kernel idle this long after a move, the figure unchanged: the move did nothing
 INSTALL = ("the browser tests need Debian's Chromium and Playwright for Python: `apt-get install chromium` and "
            "`.venv/bin/pip install playwright` (no browser download: the system's chromium is used)")
 
