@@ -16,6 +16,7 @@ from labkit.grading.checkers import collectives as collectives_checks
 from labkit.grading.checkers import data_parallel as data_parallel_checks
 from labkit.grading.checkers import lr_scaling as lr_scaling_checks
 from labkit.grading.checkers import mixed_precision as mixed_precision_checks
+from labkit.grading.checkers import parameter_server as parameter_server_checks
 from labkit.grading.checkers import pipeline_parallel as pipeline_parallel_checks
 from labkit.grading.checkers import setup as setup_checks
 from labkit.grading.checkers import tensor_parallel as tensor_parallel_checks
@@ -338,3 +339,68 @@ def test_the_pipeline_checks_refuse_labkits_and_torchs_1f1b_tables(name, used, t
 def test_the_pipeline_hints_say_what_went_wrong_in_the_students_terms(name, check, hints, tmp_path):
     result = grading.run_check(pipeline_parallel_checks.CHECKS[check], BY_NAME[name].write(tmp_path / name))
     assert not result.passed and all(hint in result.message for hint in hints), result.message
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exercise 08: the parameter server's rule under bounded staleness
+
+
+def test_the_guard_refuses_labkits_rule_but_leaves_its_parameter_server_working():
+    from labkit.parallel.parameter_server import Decision, Gate, Stragglers, _check
+
+    with guard.forbid(library=guard.LABKIT_IMPLEMENTATIONS, allow=parameter_server_checks.CHECKER_TOOLS):
+        with pytest.raises(guard.Forbidden, match="Gate.__init__, labkit's own implementation"):
+            Gate("ssp", 2, staleness_bound=1)
+        _check("ssp", 3, 0.1, 1, 0, 2)  # run_parameter_server's argument check, which the launched check runs
+        stragglers = Stragglers(slow={0: 0.25})
+        assert stragglers.delay(0, stragglers.generator(0)) == 0.25 and Decision(apply=(1,)).apply == (1,)
+    assert Gate("ssp", 2, staleness_bound=1).arrive(0, 0) == Decision(apply=(0,), release=(0,))
+
+
+def test_the_reference_plays_reach_the_bound_so_an_answer_off_by_one_has_somewhere_to_fail():
+    reached: dict[tuple[int, int], set[int]] = {}
+    for workers, bound, turns in parameter_server_checks.REFERENCE:
+        pulled: dict[int, int] = {}
+        for turn in turns:
+            pulled[turn.worker] = turn.pulled
+            reached.setdefault((workers, bound), set()).update(turn.version - pulled[w] for w in turn.apply)
+    for (workers, bound), staleness in reached.items():
+        if bound == parameter_server_checks.HUGE:
+            assert max(staleness) > 4, workers  # asynchronous: well past every bound the checks use
+        else:
+            assert max(staleness) == (bound if workers > 1 else 0), (workers, bound, staleness)
+
+
+@pytest.mark.parametrize("name, check, hints", [
+    ("parameter_server_strict", 1, ["4 workers, s=2, arrival 2", "would be 2 stale, which s=2 allows (equal to s "
+                                    "is allowed: hold only while version + 1 - oldest > s)", "; yours holds"]),
+    ("parameter_server_sync", 1, ["yours holds (yours waits for every worker, as synchronous training does: that "
+                                  "is s = 0)"]),
+    ("parameter_server_async", 1, ["more than s=2 (one update more than s allows): hold", "yours applies [1] (yours "
+                                   "applies every gradient on arrival, as asynchronous training does"]),
+    ("parameter_server_lenient", 0, ["worker 0, still computing on version 0, is 3 updates behind, so its gradient "
+                                     "will arrive more than s=2 stale"]),
+    ("parameter_server_lenient", 1, ["(one update more than s allows): hold (return [], []) until it arrives; yours "
+                                     "applies [1] ("]),
+    ("parameter_server_never_releases", 0, ["no worker computes any more: workers [0, 1, 2, 3] applied but never "
+                                            "released", "the server would wait for ever"]),
+    ("parameter_server_applies_held_twice", 0, ["but worker 3 is still computing", "(is self.held emptied"]),
+    ("parameter_server_bounds_the_arriving_gradient", 1, ["yours applies [1] (and"]),
+    ("parameter_server_never_releases", 2, ["on 4 launched ranks (worker 0 slow), 3 workers, s=1",
+                                            "applied but never released"]),
+    ("parameter_server_lenient", 2, ["on 4 launched ranks (worker 0 slow), 3 workers, s=1", "is 2 updates behind"]),
+    ("parameter_server_labkit_gate", 2, ["rank 0 used labkit.parallel.parameter_server.Gate.__init__, labkit's own"]),
+])
+def test_the_parameter_server_hints_say_what_went_wrong_in_the_students_terms(name, check, hints, tmp_path):
+    result = grading.run_check(parameter_server_checks.CHECKS[check], BY_NAME[name].write(tmp_path / name))
+    assert not result.passed and all(hint in result.message for hint in hints), result.message
+
+
+def test_a_rule_that_waits_inside_arrive_is_a_failed_check_not_a_hang(monkeypatch, tmp_path):
+    monkeypatch.setattr(grading, "DEFAULT_CHECK_TIMEOUT", 3.0)
+    monkeypatch.setattr(parameter_server_checks, "LAUNCH_TIMEOUT", 5.0)
+    report = grading.check("parameter_server", directory=_wrong("parameter_server_waits_inside_arrive", tmp_path),
+                           verbose=False)
+    assert report.passed == 0
+    assert all("did not finish within 3 s" in result.message for result in report.checks[:2])
+    assert "the run did not finish within 5 s" in report.checks[2].message and report.checks[2].seconds < 30

@@ -360,6 +360,47 @@ WRONG_ANSWERS = [
                 '    warmup = min(p - 1 - rank, m)\n',
                 '    warmup = min(rank, m)  # WRONG: counted from the wrong end: the last rank warms up longest\n',
                 caught_by=(0, 1, 2)),
+    WrongAnswer('parameter_server_applies_held_twice', 'parameter_server', '08_parameter_server.py',
+                '        applied, self.held = self.held, []\n',
+                '        applied = list(self.held)  # WRONG: self.held is never emptied, so each update applies them again\n',
+                caught_by=(0, 1, 2)),
+    WrongAnswer('parameter_server_async', 'parameter_server', '08_parameter_server.py',
+                '        if self.computing and self.version + 1 - min(self.computing.values()) > self.bound:\n',
+                '        if False:  # WRONG: asynchronous: applies every gradient on arrival, whatever the bound\n',
+                caught_by=(0, 1, 2)),
+    WrongAnswer('parameter_server_bounds_the_arriving_gradient', 'parameter_server', '08_parameter_server.py',
+                '        if self.computing and self.version + 1 - min(self.computing.values()) > self.bound:\n',
+                '        if self.version - pulled > self.bound:  # WRONG: the arriving gradient, not those still computing\n',
+                caught_by=(0, 1, 2)),
+    WrongAnswer('parameter_server_labkit_gate', 'parameter_server', '08_parameter_server.py',
+                '        del self.computing[worker]\n        self.held.append(worker)\n',
+                "        from labkit.parallel.parameter_server import Gate  # WRONG: labkit's own rule, not yours\n"
+                "        if not hasattr(self, 'gate'):\n            self.gate = Gate('ssp', self.workers, staleness_bound=self.bound)\n"
+                "        decision = self.gate.arrive(worker, pulled)\n        self.version = self.gate.version\n"
+                "        return list(decision.apply), list(decision.release)\n",
+                caught_by=(0, 1, 2)),
+    WrongAnswer('parameter_server_lenient', 'parameter_server', '08_parameter_server.py',
+                '        if self.computing and self.version + 1 - min(self.computing.values()) > self.bound:\n',
+                '        if self.computing and self.version - min(self.computing.values()) > self.bound:  # WRONG: allows s + 1\n',
+                caught_by=(0, 1, 2)),
+    WrongAnswer('parameter_server_never_releases', 'parameter_server', '08_parameter_server.py',
+                '        return applied, list(applied)\n',
+                '        return applied, []  # WRONG: the applied workers are never sent the new weights\n',
+                caught_by=(0, 1, 2)),
+    WrongAnswer('parameter_server_strict', 'parameter_server', '08_parameter_server.py',
+                '        if self.computing and self.version + 1 - min(self.computing.values()) > self.bound:\n',
+                '        if self.computing and self.version + 1 - min(self.computing.values()) >= self.bound:  # WRONG: holds one update too long\n',
+                caught_by=(1,)),
+    WrongAnswer('parameter_server_sync', 'parameter_server', '08_parameter_server.py',
+                '        if self.computing and self.version + 1 - min(self.computing.values()) > self.bound:\n',
+                '        if self.computing:  # WRONG: synchronous: waits for every worker, whatever the bound\n',
+                caught_by=(1,)),
+    WrongAnswer('parameter_server_waits_inside_arrive', 'parameter_server', '08_parameter_server.py',
+                '        if self.computing and self.version + 1 - min(self.computing.values()) > self.bound:\n',
+                '        while self.computing and self.version + 1 - min(self.computing.values()) > self.bound:\n'
+                '            pass  # WRONG: waits inside arrive for the others, but they can only arrive once it returns\n'
+                '        if False:\n',
+                caught_by=()),
 ]
 
 BY_NAME = {answer.name: answer for answer in WRONG_ANSWERS}

@@ -4,5 +4,6 @@
 - ``collectives``: the alpha-beta cost of each collective (lesson 01);
 - ``step``: the time of a training step, with overlap (lesson 02);
 - ``memory``: bytes per rank under DP, ZeRO, TP and PP, and transformer activations (lessons 04-06);
-- ``tensor_parallel``: every collective of a tensor-parallel step, and its time (lesson 06).
+- ``tensor_parallel``: every collective of a tensor-parallel step, and its time (lesson 06);
+- ``stragglers``: what waiting for the slowest worker costs, and what asynchrony costs in staleness (lesson 08).
 """

@@ -52,6 +52,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                         "Tensor parallelism: the f and g operators, column- and row-parallel linear layers"),
     "pipeline_parallel": ("07_pipeline_parallel.py", "labkit.grading.checkers.pipeline_parallel",
                           "Pipeline parallelism: the 1F1B order of one rank"),
+    "parameter_server": ("08_parameter_server.py", "labkit.grading.checkers.parameter_server",
+                         "A parameter server: the rule for applying gradients under bounded staleness"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0

@@ -58,7 +58,7 @@ LABKIT_IMPLEMENTATIONS = (
     "labkit.collectives",  # 01: the ring reduce-scatter, all-gather, all-reduce; broadcast; naive and tree
     "labkit.costmodel.collectives.chunk_bounds",  # 00: shard_bounds
     "labkit.parallel",  # 02: DDP's broadcast, hook and buckets; 05: ZeRO's sharding and sharded optimizer;
-    # 06: tensor parallelism's f and g and its split layers; 07: the 1F1B schedule
+    # 06: tensor parallelism's f and g and its split layers; 07: the 1F1B schedule; 08: the server's rule (Gate)
     "labkit.lr",  # 03: the global batch, the linear rule, warmup and decay
     "labkit.precision",  # 04: the dynamic loss scaler
 )

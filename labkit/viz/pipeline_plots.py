@@ -14,7 +14,6 @@ micro-batches of the rank's whole share of layers: an interleaved rank's ``v`` c
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Mapping, Sequence
 
 from matplotlib import colors as matplotlib_colors
@@ -23,6 +22,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from labkit.parallel.pipeline import Timeline
+from labkit.viz import plots
 
 # Okabe & Ito's colour-blind-safe palette: F blue, B vermillion, I reddish purple, W bluish green.
 KIND_COLORS = {"F": "#0072B2", "B": "#D55E00", "I": "#CC79A7", "W": "#009E73"}
@@ -304,11 +304,6 @@ def plot_pipeline_overview(timeline: Timeline | None, rows: Sequence[Mapping | T
         plot_timeline(timeline, ax=axes["timeline"], time_unit=time_unit)
         plot_peak_activations(timeline, ax=axes["peaks"], label="simulated")
     else:
-        for name, text in (("timeline", f"ValueError: {error}"), ("peaks", "no timeline: see the message above")):
-            axes[name].text(0.5, 0.5, textwrap.fill(text, 110 if name == "timeline" else 40), ha="center",
-                            va="center", fontsize=9, color="#B00000" if name == "timeline" else "gray",
-                            transform=axes[name].transAxes)
-            axes[name].set_xticks([])
-            axes[name].set_yticks([])
+        plots.error_panels(axes, error, "timeline", "peaks", "no timeline: see the message above")
     figure.suptitle(caption, fontsize=9)
     return figure

@@ -8,6 +8,7 @@ nothing leaks between calls.
 from __future__ import annotations
 
 import io
+import textwrap
 from collections.abc import Sequence
 
 from matplotlib import patches as matplotlib_patches
@@ -70,6 +71,16 @@ def figure_to_png(figure: Figure, dpi: int = 90) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()
+
+
+def error_panels(axes: dict, error: object, main: str, other: str, other_text: str) -> None:
+    """An explorer's answer to impossible controls: the library's ``ValueError`` in panel ``main`` (red, wrapped)
+    and ``other_text`` in panel ``other`` (grey), both without ticks."""
+    for name, text, width, color in ((main, f"ValueError: {error}", 110, "#B00000"), (other, other_text, 40, "gray")):
+        axes[name].text(0.5, 0.5, textwrap.fill(text, width), ha="center", va="center", fontsize=9, color=color,
+                        transform=axes[name].transAxes)
+        axes[name].set_xticks([])
+        axes[name].set_yticks([])
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,0 +1,378 @@
+"""A parameter server from point-to-point messages: synchronous, asynchronous, bounded-staleness and backup-worker
+training (lesson 08).
+
+**Roles.**  One launch, one process group: rank 0 of ``group`` is the *server*, which holds the weights; the
+other ``N`` ranks are *workers*.  A worker receives the weights with their *version* (how many updates the server
+has applied), computes a gradient on its own batch, and sends it back with the version it was computed on; the
+server decides when to apply it.  Everything travels as ``send``/``recv`` over the ordinary process group (gloo
+or NCCL), not ``torch.distributed.rpc``: one message each way per gradient, ``[version, loss, step]`` followed by
+the flat gradient (worker to server), ``[version]`` followed by the flat weights (server to worker; version ``-1``
+tells the worker to stop).
+
+**The rule** (:class:`Gate`) decides, as each gradient arrives, which gradients to apply now (as one update) and
+which workers to release (send the new weights):
+
+=========  ====================================================================================================
+mode       rule
+=========  ====================================================================================================
+sync       hold every gradient until all ``N`` workers have sent theirs, then apply them together and release
+           all: the same arithmetic as all-reduce data parallelism, and every worker waits for the slowest
+async      apply each gradient on arrival and release its worker at once (Dean et al. 2012, Downpour SGD)
+ssp        bounded staleness (after Ho et al. 2013): apply what is held as soon as doing so cannot make a
+           gradient still being computed staler than ``s`` updates; until then hold it, and its worker waits.
+           ``s = 0`` is sync, a large ``s`` is async.  The bound counts *updates*, as staleness does here; Ho
+           et al. count each worker's iterations (clocks), so with ``N`` equally fast workers, whose gradients
+           are about ``N - 1`` updates stale, a bound below ``N - 1`` makes them wait where theirs would not
+backup     ``N + b`` workers, the first ``N`` gradients of each version make the update; the ``b`` that arrive
+           late are dropped and their workers get the new weights (Chen et al. 2016)
+=========  ====================================================================================================
+
+**Staleness** of a gradient: the server's version when it is applied minus the version it was computed on: how
+many updates landed in between.  Synchronous training has none; ``N`` equally fast asynchronous workers have
+about ``N - 1``.  **Step size**: every applied gradient moves the weights by ``lr / N`` times itself (``N`` the
+gradients a synchronous step averages), so ``N`` of them move the weights as far as one synchronous step of
+their mean; with ``staleness_aware_lr`` a gradient of staleness ``k > 0`` moves them ``k`` times less (Zhang et
+al. 2016, "Staleness-aware Async-SGD").
+
+**Stragglers** (:class:`Stragglers`): a fixed extra time per step for chosen workers, and/or an exponentially
+distributed delay on every step, drawn from a generator seeded per worker.  The server records every gradient it
+receives (:class:`Received`): applied (with its staleness) or dropped (a backup's late gradient, or one that
+arrives after the last update).  When the budget of updates is spent the server stops each worker at its next
+message; it never waits for ever (``timeout_s`` without any message raises ``TimeoutError``, which ``launch``
+reports as a failed rank).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labkit.costmodel.stragglers import MODES
+from labkit.dist import global_rank, require_group
+from labkit.models import TinyGPT
+
+STOP = -1.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the server does after a gradient arrives: ``apply`` and ``drop`` (workers whose gradients are applied
+    now, as one update, or discarded), and ``release`` (workers sent the weights after it)."""
+
+    apply: tuple[int, ...] = ()
+    drop: tuple[int, ...] = ()
+    release: tuple[int, ...] = ()
+
+
+class Gate:
+    """The server's rule for ``mode`` over ``workers`` workers (see the module docstring); pure bookkeeping.
+
+    ``arrive(worker, pulled)`` is called when ``worker``'s gradient, computed on version ``pulled``, arrives;
+    it returns a :class:`Decision`, and :attr:`version` counts the updates applied so far.  At the start every
+    worker is computing on version 0.
+    """
+
+    def __init__(self, mode: str, workers: int, staleness_bound: int | None = None, backup_workers: int = 0):
+        _check(mode, 1, 1.0, staleness_bound, backup_workers, workers)
+        self.mode, self.workers = mode, workers
+        self.bound = {"sync": 0, "async": math.inf, "ssp": staleness_bound, "backup": None}[mode]
+        self.needed = workers - backup_workers  # gradients per synchronous update
+        self.version = 0
+        self.computing = dict.fromkeys(range(workers), 0)  # worker -> the version it is computing on
+        self.held: list[tuple[int, int]] = []  # (worker, pulled): arrived, not applied yet
+
+    def arrive(self, worker: int, pulled: int) -> Decision:
+        del self.computing[worker]
+        if self.mode == "backup":
+            if pulled < self.version:  # late: this version's update was made without it
+                self.computing[worker] = self.version
+                return Decision(drop=(worker,), release=(worker,))
+            self.held.append((worker, pulled))
+            if len(self.held) < self.needed:
+                return Decision()
+            return self._apply_held()
+        self.held.append((worker, pulled))
+        # Applying now makes version + 1; a gradient still being computed on version v would then be at least
+        # version + 1 - v stale when it arrives.
+        oldest = min(self.computing.values(), default=None)
+        if oldest is not None and self.version + 1 - oldest > self.bound:
+            return Decision()
+        return self._apply_held()
+
+    def _apply_held(self) -> Decision:
+        workers = tuple(worker for worker, _ in self.held)
+        self.held.clear()
+        self.version += 1
+        for worker in workers:
+            self.computing[worker] = self.version
+        return Decision(apply=workers, release=workers)
+
+
+@dataclass(frozen=True)
+class Stragglers:
+    """Delays added to workers' steps: ``slow`` maps a worker (0-based) to extra seconds on each of its steps;
+    ``exponential_mean_s`` adds to every step a delay drawn from an exponential distribution of that mean
+    (seeded by ``seed`` and the worker)."""
+
+    slow: Mapping[int, float] = field(default_factory=dict)
+    exponential_mean_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.exponential_mean_s < 0 or any(value < 0 for value in self.slow.values()):
+            raise ValueError(f"straggler delays must be >= 0 seconds, got slow={dict(self.slow)}, "
+                             f"exponential_mean_s={self.exponential_mean_s}")
+
+    def generator(self, worker: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1009 + worker)
+
+    def delay(self, worker: int, generator: torch.Generator) -> float:
+        extra = self.slow.get(worker, 0.0)
+        if self.exponential_mean_s > 0:
+            extra += -self.exponential_mean_s * math.log(1.0 - torch.rand((), generator=generator).item())
+        return extra
+
+
+@dataclass(frozen=True)
+class Received:
+    """One gradient the server received: from ``worker`` (0-based), its ``step`` there, computed on version
+    ``pulled``; ``applied`` is the version it was applied at (``None``: dropped); ``time_s`` when it was applied
+    or dropped and ``arrived_s`` when it arrived (a held gradient waits in between), seconds since the start."""
+
+    worker: int
+    step: int
+    pulled: int
+    applied: int | None
+    time_s: float
+    loss: float
+    arrived_s: float | None = None
+
+    @property
+    def staleness(self) -> int | None:
+        return None if self.applied is None else self.applied - self.pulled
+
+
+@dataclass
+class ParameterServerRun:
+    """What the server saw: every gradient received, in order, the time of each update, and the final weights."""
+
+    mode: str
+    workers: int
+    received: list[Received]
+    update_times_s: list[float]
+    state: dict[str, torch.Tensor]
+
+    @property
+    def applied(self) -> list[Received]:
+        return [r for r in self.received if r.applied is not None]
+
+    def staleness(self) -> list[int]:
+        return [r.staleness for r in self.applied]
+
+
+def _check(mode: Any, updates: Any, lr: Any, staleness_bound: Any, backup_workers: Any, workers: int) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 1:
+        raise ValueError(f"updates (the server's budget) must be an integer >= 1, got {updates!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    if workers < 1:
+        raise ValueError("a parameter server needs at least 2 ranks: the server (rank 0) and a worker")
+    if (mode == "ssp") != (staleness_bound is not None):
+        raise ValueError(f"staleness_bound belongs to mode='ssp' (and it needs one), got mode={mode!r}, "
+                         f"staleness_bound={staleness_bound!r}")
+    if mode == "ssp" and (isinstance(staleness_bound, bool) or not isinstance(staleness_bound, int)
+                          or staleness_bound < 0):
+        raise ValueError(f"staleness_bound must be an integer >= 0, got {staleness_bound!r}")
+    if mode != "backup" and backup_workers:
+        raise ValueError(f"backup_workers belongs to mode='backup', got mode={mode!r}, backup_workers={backup_workers}")
+    if mode == "backup" and (isinstance(backup_workers, bool) or not isinstance(backup_workers, int)
+                             or not 0 <= backup_workers < workers):
+        raise ValueError(f"backup_workers must be an integer in [0, {workers}) with {workers} workers (the others "
+                         f"make each update), got {backup_workers!r}")
+
+
+def _default_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """TinyGPT's own loss; for any other model, the cross-entropy of its output against ``y``."""
+    if isinstance(model, TinyGPT):
+        return model(x, y)[1]
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def run_parameter_server(model: nn.Module, batches: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], *,
+                         mode: str = "sync", updates: int, lr: float, staleness_bound: int | None = None,
+                         backup_workers: int = 0, staleness_aware_lr: bool = False,
+                         stragglers: Stragglers | None = None,
+                         loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                         group: Any = None, timeout_s: float = 60.0, gate: Any = None) -> ParameterServerRun | int:
+    """Train ``model`` with SGD through a parameter server: every rank of ``group`` calls this with the same
+    model (same weights) and arguments.  Rank 0 serves and returns a :class:`ParameterServerRun`; worker ``w``
+    (group rank ``w + 1``) trains on ``batches(w, step)`` for its steps ``0, 1, ...`` and returns how many
+    gradients it sent.  ``updates``: the server's budget of updates; ``loss_fn(model, x, y)`` defaults to the
+    model's own loss (TinyGPT) or cross-entropy of its output.  See the module docstring for the modes.
+
+    ``gate``: another rule for the server, an object like :class:`Gate` (``arrive(worker, pulled) ->
+    Decision``, ``version`` counting one per update, ``needed``), e.g. an exercise's; by default ``Gate(mode,
+    ...)``.  If the rule stops making updates (it holds workers with no gradient in flight), the server stops
+    every worker and raises ``RuntimeError`` rather than wait."""
+    group = require_group(group)
+    workers = dist.get_world_size(group) - 1
+    _check(mode, updates, lr, staleness_bound, backup_workers, workers)
+    if stragglers is not None and any(not 0 <= w < workers for w in stragglers.slow):
+        raise ValueError(f"stragglers.slow names workers {sorted(stragglers.slow)}, but there are {workers} "
+                         f"workers, 0 .. {workers - 1} (group ranks 1 .. {workers})")
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    # Messages carry their header's integers (versions, steps) in the weights' dtype: 16-bit weights travel,
+    # and the server keeps them, in float32, where integers are exact up to 2^24.
+    dtype = torch.float32 if parameters[0].dtype in (torch.float16, torch.bfloat16) else parameters[0].dtype
+    flat = torch.cat([p.detach().reshape(-1).to(dtype) for p in parameters])
+    if dist.get_rank(group) == 0:
+        gate = Gate(mode, workers, staleness_bound, backup_workers) if gate is None else gate
+        return _serve(model, parameters, flat, group, workers, mode, updates, lr, gate, staleness_aware_lr,
+                      timeout_s)
+    return _work(model, parameters, flat, group, dist.get_rank(group) - 1, batches, loss_fn or _default_loss,
+                 stragglers or Stragglers())
+
+
+def _load(flat: torch.Tensor, parameters: list[nn.Parameter]) -> None:
+    """Copy ``flat`` into the parameters, each in its own dtype (``vector_to_parameters`` would make them views
+    of ``flat``, in its dtype)."""
+    with torch.no_grad():
+        for parameter, chunk in zip(parameters, flat.split([p.numel() for p in parameters]), strict=True):
+            parameter.copy_(chunk.view_as(parameter))
+
+
+def _work(model, parameters, flat, group, worker, batches, loss_fn, stragglers) -> int:
+    server = global_rank(group, 0)
+    inbox = torch.empty(1 + flat.numel(), dtype=flat.dtype, device=flat.device)
+    generator = stragglers.generator(worker)
+    step = 0
+    while True:
+        dist.recv(inbox, src=server, group=group)
+        if inbox[0].item() == STOP:
+            return step
+        _load(inbox[1:], parameters)
+        model.zero_grad(set_to_none=True)
+        x, y = batches(worker, step)
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        gradient = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(flat.dtype)
+                              for p in parameters])
+        delay = stragglers.delay(worker, generator)
+        if delay > 0:
+            time.sleep(delay)
+        header = torch.tensor([inbox[0].item(), loss.item(), float(step)], dtype=flat.dtype, device=flat.device)
+        dist.send(torch.cat([header, gradient]), dst=server, group=group)
+        step += 1
+
+
+class _Inbox:
+    """The server's receiving end: the next gradient from whichever worker sends first.
+
+    On gloo one receive from *any* source is posted at a time (gloo matches it with the first message to
+    arrive) and waited for with a timeout; NCCL has no any-source receive, so there one receive per expected
+    worker is posted and polled.  Each worker's last gradient stays in its own buffer until the server is done
+    with it (a held gradient waits there to be applied)."""
+
+    def __init__(self, group: Any, ranks: list[int], size: int, like: torch.Tensor, timeout_s: float):
+        self.group, self.ranks, self.timeout_s = group, ranks, timeout_s
+        self.buffers = [torch.empty(size, dtype=like.dtype, device=like.device) for _ in ranks]
+        self.any_source = dist.get_backend(group) == "gloo"
+        self.scratch = torch.empty(size, dtype=like.dtype, device=like.device) if self.any_source else None
+        self.expected: dict[int, Any] = {}  # worker -> its posted receive (None on gloo)
+
+    def expect(self, worker: int) -> None:
+        self.expected[worker] = None if self.any_source else dist.irecv(self.buffers[worker], src=self.ranks[worker],
+                                                                        group=self.group)
+
+    def next(self) -> int:
+        """Block until a gradient arrives; the worker it came from (its buffer holds it)."""
+        waiting = sorted(self.expected)
+        problem = TimeoutError(f"the parameter server heard from no worker for {self.timeout_s} s; waiting for "
+                               f"workers {waiting} (group ranks {[w + 1 for w in waiting]})")
+        if self.any_source:
+            work = dist.irecv(self.scratch, group=self.group)
+            try:
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+            except RuntimeError as error:
+                raise problem from error
+            worker = work._source_rank() - 1
+            self.buffers[worker].copy_(self.scratch)
+        else:
+            deadline = time.perf_counter() + self.timeout_s
+            while not (done := [w for w, work in self.expected.items() if work.is_completed()]):
+                if time.perf_counter() > deadline:
+                    raise problem
+                time.sleep(1e-4)
+            worker = done[0]
+            self.expected[worker].wait()
+        if worker not in self.expected:
+            raise RuntimeError(f"worker {worker} sent a gradient the server did not expect")
+        del self.expected[worker]
+        return worker
+
+
+def _serve(model, parameters, flat, group, workers, mode, updates, lr, gate, staleness_aware_lr,
+           timeout_s) -> ParameterServerRun:
+    scale = lr / gate.needed
+    ranks = [global_rank(group, w + 1) for w in range(workers)]
+    inbox = _Inbox(group, ranks, 3 + flat.numel(), flat, timeout_s)
+    received: list[Received] = []
+    update_times: list[float] = []
+    start = time.perf_counter()
+
+    stopped: set[int] = set()
+
+    def send(worker: int, version: float) -> None:
+        if version == STOP:
+            stopped.add(worker)
+        else:
+            inbox.expect(worker)  # posted before the worker can answer (NCCL matches in posting order)
+        dist.send(torch.cat([torch.tensor([version], dtype=flat.dtype, device=flat.device), flat]),
+                  dst=ranks[worker], group=group)
+
+    for worker in range(workers):
+        send(worker, 0.0)
+    held: dict[int, tuple[int, int, float, float]] = {}  # worker -> (step, pulled, loss, arrived) not applied yet
+    while inbox.expected:
+        worker = inbox.next()
+        header = inbox.buffers[worker][:3].tolist()
+        step, pulled, loss, now = int(header[2]), int(header[0]), header[1], time.perf_counter() - start
+        if len(update_times) >= updates:  # the budget is spent: this gradient comes too late
+            received.append(Received(worker, step, pulled, None, now, loss, now))
+            send(worker, STOP)
+            continue
+        held[worker] = (step, pulled, loss, now)
+        decision = gate.arrive(worker, pulled)
+        for index in decision.drop:
+            step_, pulled_, loss_, arrived = held.pop(index)
+            received.append(Received(index, step_, pulled_, None, now, loss_, arrived))
+        if decision.apply:
+            version = gate.version - 1  # the version these gradients are applied to
+            for index in decision.apply:
+                step_, pulled_, loss_, arrived = held.pop(index)
+                staleness = version - pulled_
+                factor = scale / staleness if staleness_aware_lr and staleness > 0 else scale
+                flat.add_(inbox.buffers[index][3:], alpha=-factor)
+                received.append(Received(index, step_, pulled_, version, now, loss_, arrived))
+            update_times.append(now)
+        for index in decision.release:
+            send(index, STOP if len(update_times) >= updates else float(gate.version))
+    # Every worker not stopped yet is held by the rule; stop it, then say why the budget was not spent.
+    for worker in sorted(set(range(workers)) - stopped):
+        send(worker, STOP)
+    if len(update_times) < updates:
+        raise RuntimeError(f"the {mode} rule made {len(update_times)} of {updates} updates, then held workers "
+                           f"{sorted(held)} with no gradient in flight: nothing could release them")
+    _load(flat, parameters)
+    return ParameterServerRun(mode, workers, received, update_times,
+                              {name: tensor.detach().clone() for name, tensor in model.state_dict().items()})

@@ -1,0 +1,238 @@
+"""The parameter server (``labkit.parallel.parameter_server``): its rule, its arithmetic, its records, its failures.
+
+The rule (:class:`Gate`) is checked on its own, over random arrival orders.  Then TinyMLP trains through the
+server on launched ranks: asynchronous training with one worker is plain SGD bit for bit; synchronous training
+with 4 workers is SGD on the mean of their gradients (what all-reduce data parallelism computes) within 1e-6;
+bounded staleness with s = 0 is synchronous; every gradient a worker sent is recorded once, applied or dropped,
+in every mode and with stragglers; asynchronous staleness averages about N - 1; no gradient under a bound s is
+staler than s.  Bad arguments raise before any message; a hung worker becomes an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit.launch import RankFailed, launch
+from labkit.models import MLPConfig, TinyMLP
+from labkit.parallel.parameter_server import Gate, Stragglers, run_parameter_server
+
+CONFIG = MLPConfig(in_features=16, hidden_sizes=(32,), num_classes=4)
+LR, UPDATES = 0.1, 12
+
+
+def batches(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * worker + step)
+    x = torch.randn(8, CONFIG.in_features, generator=generator)
+    return x, x[:, :CONFIG.num_classes].argmax(1)
+
+
+def _gradient(model: TinyMLP, worker: int, step: int) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    x, y = batches(worker, step)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rule alone
+
+
+def _play(gate: Gate, workers: int, arrivals: int, seed: int) -> list[tuple[int, int, int | None]]:
+    """Workers finish in a random order; (worker, pulled, applied at) for every gradient."""
+    rng = random.Random(seed)
+    computing = dict.fromkeys(range(workers), 0)
+    held: dict[int, int] = {}
+    out = []
+    for _ in range(arrivals):
+        worker = rng.choice(sorted(computing))
+        pulled = computing.pop(worker)
+        held[worker] = pulled
+        decision = gate.arrive(worker, pulled)
+        version = gate.version - 1
+        for index in decision.apply:
+            out.append((index, held.pop(index), version))
+        for index in decision.drop:
+            out.append((index, held.pop(index), None))
+        for index in decision.release:
+            computing[index] = gate.version
+        assert computing or held == {}, "every worker held: the rule has deadlocked"
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_rule_keeps_every_mode_to_its_promise(seed):
+    sync = _play(Gate("sync", 4), 4, 60, seed)
+    assert all(applied == pulled for _, pulled, applied in sync)  # never stale
+    assert set(Counter(applied for *_, applied in sync).values()) == {4}  # all four, every update
+    for bound in (0, 1, 3):
+        ssp = _play(Gate("ssp", 4, staleness_bound=bound), 4, 60, seed)
+        assert max(applied - pulled for _, pulled, applied in ssp) <= bound
+    assert _play(Gate("ssp", 4, staleness_bound=0), 4, 60, seed) == sync  # s = 0 is synchronous
+    asynchronous = _play(Gate("async", 4), 4, 60, seed)
+    assert [applied for *_, applied in asynchronous] == list(range(60))  # one update per gradient
+    backup = _play(Gate("backup", 5, backup_workers=2), 5, 60, seed)
+    assert set(Counter(applied for *_, applied in backup if applied is not None).values()) == {3}  # first N = 3
+    assert all(applied is None or applied == pulled for _, pulled, applied in backup)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# On launched ranks
+
+
+def _train(mode: str, updates: int, options: dict) -> object:
+    torch.set_num_threads(1)
+    run = run_parameter_server(TinyMLP(CONFIG, seed=0), batches, mode=mode, updates=updates, lr=LR, **options)
+    if isinstance(run, int):
+        return run
+    return {"state": run.state, "received": run.received, "updates": len(run.update_times_s)}
+
+
+def _sgd(workers: int, updates: int) -> dict[str, torch.Tensor]:
+    """One process: SGD on the mean of the workers' gradients, step after step (all-reduce data parallelism)."""
+    model = TinyMLP(CONFIG, seed=0)
+    for step in range(updates):
+        gradients = [_gradient(model, worker, step) for worker in range(workers)]
+        with torch.no_grad():
+            for index, parameter in enumerate(model.parameters()):
+                parameter.add_(sum(g[index] for g in gradients) / workers, alpha=-LR)
+    return model.state_dict()
+
+
+def test_async_with_one_worker_is_plain_sgd_bit_for_bit():
+    server, sent = launch(_train, "async", UPDATES, {}, nprocs=2, rank_output="none")
+    model = TinyMLP(CONFIG, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(UPDATES):
+        optimizer.zero_grad()
+        x, y = batches(0, step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert sent == UPDATES
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(server["state"][name], tensor), name
+
+
+def test_sync_is_sgd_on_the_mean_gradient_and_ssp_with_bound_zero_is_sync():
+    reference = _sgd(4, UPDATES)
+    for mode, options in (("sync", {}), ("ssp", {"staleness_bound": 0})):
+        server, *sent = launch(_train, mode, UPDATES, options, nprocs=5, rank_output="none")
+        assert sent == [UPDATES] * 4 and server["updates"] == UPDATES
+        for name, tensor in reference.items():
+            torch.testing.assert_close(server["state"][name], tensor, rtol=1e-6, atol=1e-7, msg=mode)
+
+
+@pytest.mark.parametrize("mode, options", [("sync", {}), ("async", {}), ("ssp", {"staleness_bound": 2}),
+                                           ("backup", {"backup_workers": 1})])
+def test_every_gradient_sent_is_recorded_once_with_stragglers(mode, options):
+    stragglers = Stragglers(slow={1: 0.01}, exponential_mean_s=0.002, seed=3)
+    server, *sent = launch(_train, mode, 20, {**options, "stragglers": stragglers}, nprocs=4, rank_output="none")
+    received = server["received"]
+    for worker, count in enumerate(sent):
+        mine = [r for r in received if r.worker == worker]
+        assert len(mine) == count and sorted(r.step for r in mine) == list(range(count)), (mode, worker)
+    applied = [r for r in received if r.applied is not None]
+    assert len({r.applied for r in applied}) == server["updates"] == 20
+    if mode == "ssp":
+        assert max(r.staleness for r in applied) <= 2
+    if mode in ("sync", "backup"):
+        assert all(r.staleness == 0 for r in applied)
+
+
+def test_async_staleness_is_about_the_number_of_other_workers():
+    server, *_ = launch(_train, "async", 60, {}, nprocs=5, rank_output="none")
+    staleness = [r.staleness for r in server["received"] if r.applied is not None]
+    assert abs(statistics.mean(staleness) - 3) <= 1, statistics.mean(staleness)
+
+
+def _bad(options: dict) -> str:
+    try:
+        run_parameter_server(TinyMLP(CONFIG), batches, **options)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_bad_arguments_are_refused_on_every_rank_before_any_message():
+    cases = [({"mode": "downpour", "updates": 3, "lr": 0.1}, "mode must be one of"),
+             ({"updates": 0, "lr": 0.1}, "updates (the server's budget) must be an integer >= 1"),
+             ({"updates": 3, "lr": -1}, "lr must be a number > 0"),
+             ({"mode": "ssp", "updates": 3, "lr": 0.1}, "staleness_bound belongs to mode='ssp'"),
+             ({"mode": "ssp", "updates": 3, "lr": 0.1, "staleness_bound": -1}, "staleness_bound must be"),
+             ({"mode": "backup", "updates": 3, "lr": 0.1, "backup_workers": 2}, "backup_workers must be an integer"),
+             ({"mode": "sync", "updates": 3, "lr": 0.1, "backup_workers": 1}, "backup_workers belongs to")]
+    for options, expected in cases:
+        found = launch(_bad, options, nprocs=3, rank_output="none")
+        assert all(expected in message for message in found), (options, found)
+
+
+def _hangs(timeout_s: float) -> object:
+    def stuck(worker: int, step: int):
+        if worker == 1 and step == 1:
+            dist.barrier()  # never answered: the worker hangs
+        return batches(worker, step)
+    return run_parameter_server(TinyMLP(CONFIG), stuck, mode="sync", updates=5, lr=0.1, timeout_s=timeout_s)
+
+
+def test_a_worker_that_hangs_is_an_error_in_the_caller_not_a_hang():
+    with pytest.raises(RankFailed, match="heard from no worker for 2"):
+        launch(_hangs, 2.0, nprocs=3, timeout=60, rank_output="none")
+
+
+def _replay(received, workers_per_update: int, staleness_aware: bool) -> dict[str, torch.Tensor]:
+    """One process redoes what the records say: each applied gradient, recomputed on the weights of the version
+    it was pulled at, applied in the server's order with ``lr / N`` (divided by its staleness if aware)."""
+    model = TinyMLP(CONFIG, seed=0)
+    parameters = list(model.parameters())
+    flat = torch.nn.utils.parameters_to_vector(parameters).detach().clone()
+    versions = {0: flat.clone()}
+    for record in received:
+        if record.applied is None:
+            continue
+        versions.setdefault(record.applied, flat.clone())  # the weights before this update
+        torch.nn.utils.vector_to_parameters(versions[record.pulled], parameters)
+        gradient = torch.cat([g.reshape(-1) for g in _gradient(model, record.worker, record.step)])
+        factor = LR / workers_per_update
+        if staleness_aware and record.staleness > 0:
+            factor /= record.staleness
+        flat.add_(gradient, alpha=-factor)
+    torch.nn.utils.vector_to_parameters(flat, parameters)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("mode, options, per_update", [
+    ("async", {}, 3), ("async", {"staleness_aware_lr": True}, 3), ("ssp", {"staleness_bound": 1}, 3),
+    ("backup", {"backup_workers": 1}, 2)])
+def test_the_server_applies_exactly_the_gradients_it_records(mode, options, per_update):
+    stragglers = Stragglers(slow={0: 0.005}, exponential_mean_s=0.001, seed=1)
+    server, *_ = launch(_train, mode, 15, {**options, "stragglers": stragglers}, nprocs=4, rank_output="none")
+    assert any(r.staleness for r in server["received"] if r.applied is not None) or mode == "backup"
+    replayed = _replay(server["received"], per_update, options.get("staleness_aware_lr", False))
+    for name, tensor in replayed.items():
+        torch.testing.assert_close(server["state"][name], tensor, rtol=1e-6, atol=1e-7, msg=f"{mode} {name}")
+    if options.get("staleness_aware_lr"):  # the replay can tell: without the division it is another model
+        unaware = _replay(server["received"], per_update, False)
+        assert any(not torch.allclose(server["state"][name], tensor) for name, tensor in unaware.items())
+
+
+class _Hoarder(Gate):
+    """A broken rule: it holds every gradient and never applies or releases anything."""
+
+    def arrive(self, worker: int, pulled: int):
+        from labkit.parallel.parameter_server import Decision
+        return Decision()
+
+
+def _hoarded() -> object:
+    return run_parameter_server(TinyMLP(CONFIG), batches, mode="sync", updates=3, lr=0.1,
+                                gate=_Hoarder("sync", dist.get_world_size() - 1))
+
+
+def test_a_rule_that_holds_everyone_stops_the_workers_and_says_so():
+    with pytest.raises(RankFailed, match=r"made 0 of 3 updates, then held workers \[0, 1\]"):
+        launch(_hoarded, nprocs=3, timeout=60, rank_output="none")
