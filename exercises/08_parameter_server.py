@@ -28,7 +28,7 @@ Worker 2 arrives (on version 0): applying would make version 2, and worker 0's w
 arrives (on version 1): still 2: hold.  Worker 0 arrives: nobody computes, so apply and release ``[2, 1, 0]``:
 version 2; the gradients of workers 2 and 0 are 1 stale, worker 1's 0.
 
-Complete ``arrive``, then run the grading cell of ``notebooks/08_parameter_server.ipynb`` (or ``labkit grade``).
+Complete ``arrive``, then run the grading cell of ``notebooks/08_async_parameter_server.ipynb`` (or ``labkit grade``).
 The checks play your rule through many random arrival orders (1 to 6 workers, bounds 0 to 4): every gradient is
 applied once, none staler than ``s``, and some worker is always computing (a rule under which every worker waits
 would stop the training for ever); then they compare each of its decisions with the rule above, bound 0 and a

@@ -126,15 +126,18 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 4, backend: str = "
     resolved = dist.resolve_backend(backend, nprocs)
     start_method = _start_method(resolved, fn, args, kwargs)
     if start_method == "fork":
-        _prepare_to_fork()
+        prepare_to_fork()
     return _Launcher(fn, args, kwargs, nprocs, resolved, timeout, rank_output, start_method).run()
 
 
-def _prepare_to_fork() -> None:
-    """Import ``torch._dynamo`` once here: the first optimizer a process builds imports it (seconds of CPU), and
-    forked ranks inherit it (lesson 03's live experiment went from about 105 s to under 20 s of launches).
-    Stop GNU OpenMP's worker threads (OpenMP 5.0's ``omp_pause_resource_all``; the next parallel region starts
-    new ones): a forked rank inherits the pool's bookkeeping, not its threads, and would wait for them."""
+def prepare_to_fork() -> None:
+    """Make this process safe to fork: ``launch`` calls it, and so does anything else that forks a process which
+    may launch ranks (``labkit.grading``'s isolated checks).  Import ``torch._dynamo`` once here: the first
+    optimizer a process builds imports it (seconds of CPU), and forked ranks inherit it (lesson 03's live
+    experiment went from about 105 s to under 20 s of launches).  Stop GNU OpenMP's worker threads (OpenMP 5.0's
+    ``omp_pause_resource_all``; the next parallel region starts new ones): a forked process inherits the pool's
+    bookkeeping, not its threads, and would wait for them, even to pause the pool before forking ranks of its
+    own (a grading check forked after a backward pass in the notebook hung there)."""
     import ctypes
 
     import torch._dynamo  # noqa: F401

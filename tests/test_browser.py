@@ -42,7 +42,8 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Controls per notebook, over all its explorers (labkit.viz.widgets): update when a lesson adds an explorer.
 EXPECTED_CONTROLS = {"00_setup": 5, "01_collectives": 5, "02_data_parallel": 5, "03_batch_size_and_lr": 6,
                      "04_mixed_precision_and_memory": 2, "05_zero_and_fsdp": 8,
-                     "06_tensor_parallel": 6, "07_pipeline_parallel": 7}
+                     "06_tensor_parallel": 6, "07_pipeline_parallel": 7,
+                     "08_async_parameter_server": 7}
 SERVER_START_S = 180       # JupyterLab's first start on two busy cores
 OPEN_S = 180               # the notebook page loaded, rendered, and its kernel idle
 RUN_ALL_S = 900            # one notebook's Run All (a minute or less on an idle laptop)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -404,3 +405,24 @@ def test_a_rule_that_waits_inside_arrive_is_a_failed_check_not_a_hang(monkeypatc
     assert report.passed == 0
     assert all("did not finish within 3 s" in result.message for result in report.checks[:2])
     assert "the run did not finish within 5 s" in report.checks[2].message and report.checks[2].seconds < 30
+
+
+def test_a_check_that_launches_ranks_runs_after_a_backward_pass_in_the_caller():
+    """A notebook that ran a backward pass (GNU OpenMP's threads alive) and then grades: the check's forked
+    process once inherited the live thread pool's bookkeeping and hung pausing it before launching ranks."""
+    script = """
+import time, torch
+from labkit import grading
+from labkit.grading.checkers import parameter_server
+torch.set_num_threads(2)
+model = torch.nn.Linear(256, 256)
+model(torch.randn(512, 256)).square().sum().backward()  # parallel regions: OpenMP's pool is up
+start = time.monotonic()
+result = grading.run_check(parameter_server.check_parameter_server_run, grading.exercise_path("parameter_server"))
+print(round(time.monotonic() - start, 1), result.message)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "LABKIT_SOLUTIONS": "0"})
+    seconds, _, message = done.stdout.strip().partition(" ")
+    assert done.returncode == 0 and float(seconds) < 30 and "not implemented yet" in message, (done.stdout,
+                                                                                               done.stderr[-2000:])

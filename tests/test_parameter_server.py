@@ -5,11 +5,15 @@ server on launched ranks: asynchronous training with one worker is plain SGD bit
 with 4 workers is SGD on the mean of their gradients (what all-reduce data parallelism computes) within 1e-6;
 bounded staleness with s = 0 is synchronous; every gradient a worker sent is recorded once, applied or dropped,
 in every mode and with stragglers; asynchronous staleness averages about N - 1; no gradient under a bound s is
-staler than s.  Bad arguments raise before any message; a hung worker becomes an error, not a hang.
+staler than s.  Bad arguments raise before any message; a hung worker becomes an error, not a hang.  Sharded
+over k servers (``servers=k``, shards of uneven length included): sync and ssp with s = 0 give one server's weights,
+asynchronous training with one worker is still plain SGD bit for bit, every server records each gradient it was sent
+once and spends its budget, and no shard applies a gradient staler than the bound.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import statistics
 from collections import Counter
@@ -20,7 +24,7 @@ import torch.distributed as dist
 
 from labkit.launch import RankFailed, launch
 from labkit.models import MLPConfig, TinyMLP
-from labkit.parallel.parameter_server import Gate, Stragglers, run_parameter_server
+from labkit.parallel.parameter_server import Gate, ShardRecord, Stragglers, run_parameter_server
 
 CONFIG = MLPConfig(in_features=16, hidden_sizes=(32,), num_classes=4)
 LR, UPDATES = 0.1, 12
@@ -90,7 +94,9 @@ def _train(mode: str, updates: int, options: dict) -> object:
     run = run_parameter_server(TinyMLP(CONFIG, seed=0), batches, mode=mode, updates=updates, lr=LR, **options)
     if isinstance(run, int):
         return run
-    return {"state": run.state, "received": run.received, "updates": len(run.update_times_s)}
+    if isinstance(run, ShardRecord):
+        return run
+    return {"state": run.state, "received": run.received, "updates": len(run.update_times_s), "shards": run.shards}
 
 
 def _sgd(workers: int, updates: int) -> dict[str, torch.Tensor]:
@@ -104,8 +110,10 @@ def _sgd(workers: int, updates: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def test_async_with_one_worker_is_plain_sgd_bit_for_bit():
-    server, sent = launch(_train, "async", UPDATES, {}, nprocs=2, rank_output="none")
+@pytest.mark.parametrize("servers", [1, 2])
+def test_async_with_one_worker_is_plain_sgd_bit_for_bit(servers):
+    server, *shards, sent = launch(_train, "async", UPDATES, {"servers": servers}, nprocs=servers + 1,
+                                   rank_output="none")
     model = TinyMLP(CONFIG, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(UPDATES):
@@ -114,6 +122,7 @@ def test_async_with_one_worker_is_plain_sgd_bit_for_bit():
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
     assert sent == UPDATES
+    assert all(isinstance(shard, ShardRecord) and len(shard.update_times_s) == UPDATES for shard in shards)
     for name, tensor in model.state_dict().items():
         assert torch.equal(server["state"][name], tensor), name
 
@@ -127,21 +136,32 @@ def test_sync_is_sgd_on_the_mean_gradient_and_ssp_with_bound_zero_is_sync():
             torch.testing.assert_close(server["state"][name], tensor, rtol=1e-6, atol=1e-7, msg=mode)
 
 
+@pytest.mark.parametrize("servers", [1, 2, 3])
 @pytest.mark.parametrize("mode, options", [("sync", {}), ("async", {}), ("ssp", {"staleness_bound": 2}),
                                            ("backup", {"backup_workers": 1})])
-def test_every_gradient_sent_is_recorded_once_with_stragglers(mode, options):
+def test_every_gradient_sent_is_recorded_once_with_stragglers(mode, options, servers):
+    """Each server records once every gradient it was sent: a worker sends each step to every server that has not
+    stopped it yet, so each server has steps 0, 1, ... of it, and the last to stop it has them all."""
     stragglers = Stragglers(slow={1: 0.01}, exponential_mean_s=0.002, seed=3)
-    server, *sent = launch(_train, mode, 20, {**options, "stragglers": stragglers}, nprocs=4, rank_output="none")
-    received = server["received"]
-    for worker, count in enumerate(sent):
-        mine = [r for r in received if r.worker == worker]
-        assert len(mine) == count and sorted(r.step for r in mine) == list(range(count)), (mode, worker)
-    applied = [r for r in received if r.applied is not None]
-    assert len({r.applied for r in applied}) == server["updates"] == 20
-    if mode == "ssp":
-        assert max(r.staleness for r in applied) <= 2
-    if mode in ("sync", "backup"):
-        assert all(r.staleness == 0 for r in applied)
+    server, *others = launch(_train, mode, 20, {**options, "stragglers": stragglers, "servers": servers},
+                             nprocs=servers + 3, rank_output="none")
+    sent = others[servers - 1:]
+    assert len(server["shards"]) == servers and server["shards"][0].received == server["received"]
+    assert [shard.received for shard in server["shards"][1:]] == [shard.received for shard in others[:servers - 1]]
+    for shard in server["shards"]:
+        for worker, count in enumerate(sent):
+            steps = sorted(r.step for r in shard.received if r.worker == worker)
+            assert steps == list(range(len(steps))) and len(steps) <= count, (mode, shard.server, worker)
+            if servers == 1 or mode == "sync":  # sync: every server stops every worker in the same round
+                assert len(steps) == count, (mode, shard.server, worker)
+        applied = [r for r in shard.received if r.applied is not None]
+        assert len({r.applied for r in applied}) == len(shard.update_times_s) == 20
+        if mode == "ssp":
+            assert max(r.staleness for r in applied) <= 2
+        if mode in ("sync", "backup"):
+            assert all(r.staleness == 0 for r in applied)
+    for worker, count in enumerate(sent):  # the server that stopped it last has every gradient it computed
+        assert max(sum(r.worker == worker for r in shard.received) for shard in server["shards"]) == count
 
 
 def test_async_staleness_is_about_the_number_of_other_workers():
@@ -165,23 +185,40 @@ def test_bad_arguments_are_refused_on_every_rank_before_any_message():
              ({"mode": "ssp", "updates": 3, "lr": 0.1}, "staleness_bound belongs to mode='ssp'"),
              ({"mode": "ssp", "updates": 3, "lr": 0.1, "staleness_bound": -1}, "staleness_bound must be"),
              ({"mode": "backup", "updates": 3, "lr": 0.1, "backup_workers": 2}, "backup_workers must be an integer"),
-             ({"mode": "sync", "updates": 3, "lr": 0.1, "backup_workers": 1}, "backup_workers belongs to")]
+             ({"mode": "sync", "updates": 3, "lr": 0.1, "backup_workers": 1}, "backup_workers belongs to"),
+             *(({"updates": 3, "lr": 0.1, "servers": bad}, f"servers must be an integer >= 1, got {bad!r}")
+               for bad in (0, -1, True, 2.0, "2")),
+             *(({"updates": 3, "lr": 0.1, "servers": bad}, f"servers={bad} leaves no worker among the group's 3")
+               for bad in (3, 4)),
+             ({"updates": 3, "lr": 0.1, "servers": 2, "stragglers": Stragglers(slow={1: 0.1})},
+              "stragglers.slow names workers [1], but there are 1 workers, 0 .. 0 (group ranks 2 .. 2)"),
+             ({"mode": "backup", "updates": 3, "lr": 0.1, "backup_workers": 1, "servers": 2},
+              "backup_workers must be an integer in [0, 1)"),
+             ({"updates": 3, "lr": 0.1, "servers": 2, "gate": Gate("sync", 1)}, "a custom gate is one server's rule")]
     for options, expected in cases:
         found = launch(_bad, options, nprocs=3, rank_output="none")
         assert all(expected in message for message in found), (options, found)
 
 
-def _hangs(timeout_s: float) -> object:
+def _hangs(timeout_s: float, servers: int = 1) -> object:
     def stuck(worker: int, step: int):
         if worker == 1 and step == 1:
             dist.barrier()  # never answered: the worker hangs
         return batches(worker, step)
-    return run_parameter_server(TinyMLP(CONFIG), stuck, mode="sync", updates=5, lr=0.1, timeout_s=timeout_s)
+    return run_parameter_server(TinyMLP(CONFIG), stuck, mode="sync", updates=5, lr=0.1, timeout_s=timeout_s,
+                                servers=servers)
 
 
 def test_a_worker_that_hangs_is_an_error_in_the_caller_not_a_hang():
     with pytest.raises(RankFailed, match="heard from no worker for 2"):
         launch(_hangs, 2.0, nprocs=3, timeout=60, rank_output="none")
+
+
+def test_a_worker_that_hangs_under_two_servers_is_an_error_and_leaves_no_process_behind():
+    with pytest.raises(RankFailed, match=r"heard from no worker for 2\.0 s; waiting for workers \[1\] \(group ranks "
+                                         r"\[3\]\)"):
+        launch(_hangs, 2.0, 2, nprocs=4, timeout=60, rank_output="none")
+    assert multiprocessing.active_children() == []
 
 
 def _replay(received, workers_per_update: int, staleness_aware: bool) -> dict[str, torch.Tensor]:
@@ -236,3 +273,39 @@ def _hoarded() -> object:
 def test_a_rule_that_holds_everyone_stops_the_workers_and_says_so():
     with pytest.raises(RankFailed, match=r"made 0 of 3 updates, then held workers \[0, 1\]"):
         launch(_hoarded, nprocs=3, timeout=60, rank_output="none")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sharded over k servers
+
+# TinyMLP(CONFIG) has 676 trainable elements: 3 servers hold shards of 226, 225 and 225, one cutting a parameter.
+
+
+@pytest.mark.parametrize("servers", [2, 3])
+def test_sharded_sync_and_ssp_with_bound_zero_give_one_servers_weights(servers):
+    assert sum(p.numel() for p in TinyMLP(CONFIG).parameters()) % 3 != 0  # uneven shards
+    one, *_ = launch(_train, "sync", UPDATES, {}, nprocs=4, rank_output="none")
+    reference = _sgd(3, UPDATES)
+    for mode, options in (("sync", {}), ("ssp", {"staleness_bound": 0})):
+        server, *others = launch(_train, mode, UPDATES, {**options, "servers": servers}, nprocs=servers + 3,
+                                 rank_output="none")
+        assert others[servers - 1:] == [UPDATES] * 3
+        shards = server["shards"]
+        expected = {2: [(0, 338), (338, 676)], 3: [(0, 226), (226, 451), (451, 676)]}[servers]
+        assert [(shard.start, shard.stop) for shard in shards] == expected
+        for shard in shards:  # each shard made the same updates from the same gradients as one server
+            assert len(shard.update_times_s) == UPDATES
+            assert sorted((r.worker, r.step, r.pulled, r.applied) for r in shard.received) == \
+                sorted((r.worker, r.step, r.pulled, r.applied) for r in one["received"])
+        for name, tensor in one["state"].items():
+            torch.testing.assert_close(server["state"][name], tensor, rtol=1e-6, atol=1e-7, msg=f"{mode} {name}")
+            torch.testing.assert_close(server["state"][name], reference[name], rtol=1e-6, atol=1e-7, msg=mode)
+
+
+@pytest.mark.parametrize("servers", [2, 3])
+def test_no_shard_applies_a_gradient_staler_than_the_bound(servers):
+    stragglers = Stragglers(slow={0: 0.01}, exponential_mean_s=0.001, seed=2)
+    server, *_ = launch(_train, "ssp", 20, {"staleness_bound": 1, "stragglers": stragglers, "servers": servers},
+                        nprocs=servers + 3, rank_output="none")
+    staleness = [r.staleness for shard in server["shards"] for r in shard.received if r.applied is not None]
+    assert max(staleness) == 1  # the bound is reached (worker 0 is slow), and never passed

@@ -254,6 +254,12 @@ def test_loss_curves_read_a_launched_runs_records_against_updates_and_seconds():
     assert by_update.lines[0].get_color() == ps_plots.MODE_COLORS["sync"]
     assert "updates" in by_update.get_xlabel() and by_time.get_xlabel() == "wall-clock (s)"
     assert "nats" in by_update.get_ylabel()
+    by_gradient = ps_plots.plot_loss_curves_ps(runs, x="gradients", log=True, ylabel="squared error").axes[0]
+    assert list(by_gradient.lines[0].get_xdata()) == [0, 2, 4]  # a synchronous update applies both gradients
+    assert list(by_gradient.lines[1].get_xdata()) == [0, 1, 2, 3] and by_gradient.get_yscale() == "log"
+    assert by_gradient.get_xlabel() == "gradients applied" and by_gradient.get_ylabel() == "squared error, log scale"
+    with pytest.raises(ValueError, match="'updates' or 'gradients'"):
+        ps_plots.plot_loss_curves_ps(runs, x="versions")
     smoothed = ps_plots.plot_loss_curves_ps(runs, smooth=2).axes[0]
     assert list(smoothed.lines[1].get_ydata()) == pytest.approx([2.0, 1.8, 1.4, 1.0])
     with pytest.raises(ValueError, match="no losses"):

@@ -237,6 +237,7 @@ def run_check(check_fn: Callable[[ModuleType], None], path: Path) -> CheckResult
         passed, message = _run_check_here(check_fn, path)
         return CheckResult(name, passed, message, time.monotonic() - start)
     context = mp.get_context("fork")
+    launch_module.prepare_to_fork()  # the check may launch ranks: its fork must not inherit a live OpenMP pool
     reader, writer = context.Pipe(duplex=False)
     process = context.Process(target=_check_child, args=(check_fn, path, writer), name="labkit-check")
     process.start()

@@ -7,7 +7,16 @@ has applied), computes a gradient on its own batch, and sends it back with the v
 server decides when to apply it.  Everything travels as ``send``/``recv`` over the ordinary process group (gloo
 or NCCL), not ``torch.distributed.rpc``: one message each way per gradient, ``[version, loss, step]`` followed by
 the flat gradient (worker to server), ``[version]`` followed by the flat weights (server to worker; version ``-1``
-tells the worker to stop).
+tells the worker to stop).  The messages and the worker's loop are in :mod:`labkit.parallel.ps_messages`.
+
+**Sharded** (``servers=k``, Dean et al. 2012's Downpour): group ranks ``0 .. k-1`` are servers, the ``N = world -
+k`` others workers.  The flat weights are cut into ``k`` contiguous shards of near-equal length (the first ``numel
+% k`` one element longer; a shard may split a parameter); server ``i`` holds shard ``i`` and runs its own rule,
+as one server does, on shard ``i`` of each gradient, with its own version and budget.  A worker pulls every shard,
+sends each shard of its gradient to its server with the version it pulled from it, and trains until every server
+has stopped it (on a stopped server's final shard meanwhile).  Shards update independently, so under async, ssp
+and backup a worker's shards may be of different versions and staleness is per shard; sync (and ssp with ``s =
+0``) make the same updates on every shard as one server.  Each server sends ``1/k`` of the bytes.
 
 **The rule** (:class:`Gate`) decides, as each gradient arrives, which gradients to apply now (as one update) and
 which workers to release (send the new weights):
@@ -39,7 +48,7 @@ distributed delay on every step, drawn from a generator seeded per worker.  The 
 receives (:class:`Received`): applied (with its staleness) or dropped (a backup's late gradient, or one that
 arrives after the last update).  When the budget of updates is spent the server stops each worker at its next
 message; it never waits for ever (``timeout_s`` without any message raises ``TimeoutError``, which ``launch``
-reports as a failed rank).
+reports as a failed rank; with ``k`` servers, :mod:`labkit.parallel.ps_messages` says why none waits on another).
 """
 
 from __future__ import annotations
@@ -48,18 +57,20 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.costmodel.collectives import chunk_bounds
 from labkit.costmodel.stragglers import MODES
 from labkit.dist import global_rank, require_group
 from labkit.models import TinyGPT
+from labkit.parallel.ps_messages import STOP, Inbox, load, receive_shard, send_shard, work
 
-STOP = -1.0
+__all__ = ["MODES", "STOP", "Decision", "Gate", "ParameterServerRun", "Received", "ShardRecord", "Stragglers",
+           "run_parameter_server"]
 
 
 @dataclass(frozen=True)
@@ -161,14 +172,29 @@ class Received:
 
 
 @dataclass
+class ShardRecord:
+    """What server ``server`` saw (``servers=k``): it held ``flat[start:stop]`` of the flat weights; every
+    gradient received, in order, and the time of each update (seconds since its own start)."""
+
+    server: int
+    start: int
+    stop: int
+    received: list[Received]
+    update_times_s: list[float]
+
+
+@dataclass
 class ParameterServerRun:
-    """What the server saw: every gradient received, in order, the time of each update, and the final weights."""
+    """What the server saw: every gradient received, in order, the time of each update, and the final weights.
+    With ``k`` servers: server 0's records, the full final weights, and in ``shards`` every server's record
+    (``shards[0]`` is server 0's; with one server, its only record)."""
 
     mode: str
     workers: int
     received: list[Received]
     update_times_s: list[float]
     state: dict[str, torch.Tensor]
+    shards: list[ShardRecord] = field(default_factory=list)
 
     @property
     def applied(self) -> list[Received]:
@@ -208,124 +234,100 @@ def _default_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return nn.functional.cross_entropy(model(x), y)
 
 
+def _check_servers(servers: Any, ranks: int, gate: Any) -> int:
+    """The workers ``servers`` leaves among ``ranks`` ranks, once ``servers`` is known to be good."""
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
+    if servers >= ranks:
+        raise ValueError(f"servers={servers} leaves no worker among the group's {ranks} ranks: a parameter server "
+                         f"needs at least servers + 1 ranks (group ranks 0 .. {servers - 1} serve, the others work)")
+    if servers > 1 and gate is not None:
+        raise ValueError(f"a custom gate is one server's rule and each of the servers={servers} needs its own: "
+                         "pass gate= with servers=1 only")
+    return ranks - servers
+
+
 def run_parameter_server(model: nn.Module, batches: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], *,
                          mode: str = "sync", updates: int, lr: float, staleness_bound: int | None = None,
                          backup_workers: int = 0, staleness_aware_lr: bool = False,
                          stragglers: Stragglers | None = None,
                          loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                         group: Any = None, timeout_s: float = 60.0, gate: Any = None) -> ParameterServerRun | int:
+                         group: Any = None, timeout_s: float = 60.0, gate: Any = None,
+                         servers: int = 1) -> ParameterServerRun | ShardRecord | int:
     """Train ``model`` with SGD through a parameter server: every rank of ``group`` calls this with the same
     model (same weights) and arguments.  Rank 0 serves and returns a :class:`ParameterServerRun`; worker ``w``
-    (group rank ``w + 1``) trains on ``batches(w, step)`` for its steps ``0, 1, ...`` and returns how many
-    gradients it sent.  ``updates``: the server's budget of updates; ``loss_fn(model, x, y)`` defaults to the
+    (group rank ``w + servers``) trains on ``batches(w, step)`` for its steps ``0, 1, ...`` and returns how many
+    gradients it computed.  ``updates``: the server's budget of updates; ``loss_fn(model, x, y)`` defaults to the
     model's own loss (TinyGPT) or cross-entropy of its output.  See the module docstring for the modes.
+
+    ``servers``: how many ranks share the weights (group ranks ``0 .. servers-1``, each with its own rule,
+    version and budget ``updates``); servers ``1 ..`` return their :class:`ShardRecord` after sending their shard
+    and records to server 0, whose run has the full weights and every server's record in ``shards``.
 
     ``gate``: another rule for the server, an object like :class:`Gate` (``arrive(worker, pulled) ->
     Decision``, ``version`` counting one per update, ``needed``), e.g. an exercise's; by default ``Gate(mode,
-    ...)``.  If the rule stops making updates (it holds workers with no gradient in flight), the server stops
-    every worker and raises ``RuntimeError`` rather than wait."""
+    ...)``.  Only with one server (each server would need its own).  If the rule stops making updates (it holds
+    workers with no gradient in flight), the server stops every worker and raises ``RuntimeError`` rather than
+    wait."""
     group = require_group(group)
-    workers = dist.get_world_size(group) - 1
+    workers = _check_servers(servers, dist.get_world_size(group), gate)
     _check(mode, updates, lr, staleness_bound, backup_workers, workers)
     if stragglers is not None and any(not 0 <= w < workers for w in stragglers.slow):
         raise ValueError(f"stragglers.slow names workers {sorted(stragglers.slow)}, but there are {workers} "
-                         f"workers, 0 .. {workers - 1} (group ranks 1 .. {workers})")
+                         f"workers, 0 .. {workers - 1} (group ranks {servers} .. {servers + workers - 1})")
     parameters = [p for p in model.parameters() if p.requires_grad]
     # Messages carry their header's integers (versions, steps) in the weights' dtype: 16-bit weights travel,
     # and the server keeps them, in float32, where integers are exact up to 2^24.
     dtype = torch.float32 if parameters[0].dtype in (torch.float16, torch.bfloat16) else parameters[0].dtype
     flat = torch.cat([p.detach().reshape(-1).to(dtype) for p in parameters])
-    if dist.get_rank(group) == 0:
-        gate = Gate(mode, workers, staleness_bound, backup_workers) if gate is None else gate
-        return _serve(model, parameters, flat, group, workers, mode, updates, lr, gate, staleness_aware_lr,
-                      timeout_s)
-    return _work(model, parameters, flat, group, dist.get_rank(group) - 1, batches, loss_fn or _default_loss,
-                 stragglers or Stragglers())
+    if servers > flat.numel():
+        raise ValueError(f"servers={servers} is more than the model's {flat.numel()} trainable elements: a server "
+                         "would hold an empty shard")
+    bounds = chunk_bounds(flat.numel(), servers)
+    rank = dist.get_rank(group)
+    if rank >= servers:
+        return work(model, parameters, flat, group, rank - servers, bounds, batches, loss_fn or _default_loss,
+                    stragglers or Stragglers())
+    gate = Gate(mode, workers, staleness_bound, backup_workers) if gate is None else gate
+    start, stop = bounds[rank]
+    shard = flat[start:stop].clone()
+    record = ShardRecord(rank, start, stop, *_serve(shard, group, servers, workers, mode, updates, lr, gate,
+                                                    staleness_aware_lr, timeout_s))
+    if rank > 0:
+        send_shard(group, [_row(r) for r in record.received], record.update_times_s, shard)
+        return record
+    flat[start:stop] = shard
+    records = [record]
+    for server in range(1, servers):
+        start, stop = bounds[server]
+        rows, update_times = receive_shard(group, server, _ROW, flat[start:stop])
+        records.append(ShardRecord(server, start, stop, [_unrow(row) for row in rows], update_times))
+    load(flat, parameters)
+    return ParameterServerRun(mode, workers, record.received, record.update_times_s,
+                              {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}, records)
 
 
-def _load(flat: torch.Tensor, parameters: list[nn.Parameter]) -> None:
-    """Copy ``flat`` into the parameters, each in its own dtype (``vector_to_parameters`` would make them views
-    of ``flat``, in its dtype)."""
-    with torch.no_grad():
-        for parameter, chunk in zip(parameters, flat.split([p.numel() for p in parameters]), strict=True):
-            parameter.copy_(chunk.view_as(parameter))
+_ROW = 7  # floats per record in a shard server's message to server 0
 
 
-def _work(model, parameters, flat, group, worker, batches, loss_fn, stragglers) -> int:
-    server = global_rank(group, 0)
-    inbox = torch.empty(1 + flat.numel(), dtype=flat.dtype, device=flat.device)
-    generator = stragglers.generator(worker)
-    step = 0
-    while True:
-        dist.recv(inbox, src=server, group=group)
-        if inbox[0].item() == STOP:
-            return step
-        _load(inbox[1:], parameters)
-        model.zero_grad(set_to_none=True)
-        x, y = batches(worker, step)
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        gradient = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(flat.dtype)
-                              for p in parameters])
-        delay = stragglers.delay(worker, generator)
-        if delay > 0:
-            time.sleep(delay)
-        header = torch.tensor([inbox[0].item(), loss.item(), float(step)], dtype=flat.dtype, device=flat.device)
-        dist.send(torch.cat([header, gradient]), dst=server, group=group)
-        step += 1
+def _row(r: Received) -> tuple[float, ...]:
+    """A record as floats, for the message to server 0 (``applied`` -1 and ``arrived_s`` NaN stand for None)."""
+    return (r.worker, r.step, r.pulled, -1 if r.applied is None else r.applied, r.time_s, r.loss,
+            math.nan if r.arrived_s is None else r.arrived_s)
 
 
-class _Inbox:
-    """The server's receiving end: the next gradient from whichever worker sends first.
-
-    On gloo one receive from *any* source is posted at a time (gloo matches it with the first message to
-    arrive) and waited for with a timeout; NCCL has no any-source receive, so there one receive per expected
-    worker is posted and polled.  Each worker's last gradient stays in its own buffer until the server is done
-    with it (a held gradient waits there to be applied)."""
-
-    def __init__(self, group: Any, ranks: list[int], size: int, like: torch.Tensor, timeout_s: float):
-        self.group, self.ranks, self.timeout_s = group, ranks, timeout_s
-        self.buffers = [torch.empty(size, dtype=like.dtype, device=like.device) for _ in ranks]
-        self.any_source = dist.get_backend(group) == "gloo"
-        self.scratch = torch.empty(size, dtype=like.dtype, device=like.device) if self.any_source else None
-        self.expected: dict[int, Any] = {}  # worker -> its posted receive (None on gloo)
-
-    def expect(self, worker: int) -> None:
-        self.expected[worker] = None if self.any_source else dist.irecv(self.buffers[worker], src=self.ranks[worker],
-                                                                        group=self.group)
-
-    def next(self) -> int:
-        """Block until a gradient arrives; the worker it came from (its buffer holds it)."""
-        waiting = sorted(self.expected)
-        problem = TimeoutError(f"the parameter server heard from no worker for {self.timeout_s} s; waiting for "
-                               f"workers {waiting} (group ranks {[w + 1 for w in waiting]})")
-        if self.any_source:
-            work = dist.irecv(self.scratch, group=self.group)
-            try:
-                work.wait(timeout=timedelta(seconds=self.timeout_s))
-            except RuntimeError as error:
-                raise problem from error
-            worker = work._source_rank() - 1
-            self.buffers[worker].copy_(self.scratch)
-        else:
-            deadline = time.perf_counter() + self.timeout_s
-            while not (done := [w for w, work in self.expected.items() if work.is_completed()]):
-                if time.perf_counter() > deadline:
-                    raise problem
-                time.sleep(1e-4)
-            worker = done[0]
-            self.expected[worker].wait()
-        if worker not in self.expected:
-            raise RuntimeError(f"worker {worker} sent a gradient the server did not expect")
-        del self.expected[worker]
-        return worker
+def _unrow(row: list[float]) -> Received:
+    worker, step, pulled, applied, time_s, loss, arrived_s = row
+    return Received(int(worker), int(step), int(pulled), None if applied < 0 else int(applied), time_s, loss,
+                    None if math.isnan(arrived_s) else arrived_s)
 
 
-def _serve(model, parameters, flat, group, workers, mode, updates, lr, gate, staleness_aware_lr,
-           timeout_s) -> ParameterServerRun:
+def _serve(flat, group, servers, workers, mode, updates, lr, gate, staleness_aware_lr,
+           timeout_s) -> tuple[list[Received], list[float]]:
+    """One server's loop over its shard ``flat`` (updated in place); its records and update times."""
     scale = lr / gate.needed
-    ranks = [global_rank(group, w + 1) for w in range(workers)]
-    inbox = _Inbox(group, ranks, 3 + flat.numel(), flat, timeout_s)
+    ranks = [global_rank(group, w + servers) for w in range(workers)]
+    inbox = Inbox(group, ranks, servers, 3 + flat.numel(), flat, timeout_s)
     received: list[Received] = []
     update_times: list[float] = []
     start = time.perf_counter()
@@ -373,6 +375,4 @@ def _serve(model, parameters, flat, group, workers, mode, updates, lr, gate, sta
     if len(update_times) < updates:
         raise RuntimeError(f"the {mode} rule made {len(update_times)} of {updates} updates, then held workers "
                            f"{sorted(held)} with no gradient in flight: nothing could release them")
-    _load(flat, parameters)
-    return ParameterServerRun(mode, workers, received, update_times,
-                              {name: tensor.detach().clone() for name, tensor in model.state_dict().items()})
+    return received, update_times

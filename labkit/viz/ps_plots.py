@@ -11,6 +11,7 @@ wall-clock (a training run lasts seconds).
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import textwrap
@@ -147,45 +148,79 @@ def plot_staleness(staleness: Mapping[str, Sequence[int]], model_mean: float | N
     return axis
 
 
-def loss_by_version(run: Any) -> tuple[list[int], list[float], list[float]]:
-    """``(versions, losses, seconds)`` of a run (a ``ParameterServerRun``): for each version of the weights
+def loss_by_version(run: Any, x: str = "updates") -> tuple[list[int], list[float], list[float]]:
+    """``(positions, losses, seconds)`` of a run (a ``ParameterServerRun``): for each version of the weights
     that gradients were computed on, their mean loss (the loss *of* that version) and when the server made it
-    (0 for the initial weights)."""
+    (0 for the initial weights).  ``x="updates"``: positions are the versions; ``x="gradients"``: the gradients
+    applied to make that version, the fair axis across modes (a synchronous update applies ``N``).  A diverged
+    run's losses may be ``inf`` or ``nan`` (drawn as gaps)."""
+    if x not in ("updates", "gradients"):
+        raise ValueError(f"x must be 'updates' or 'gradients', got {x!r}")
     by_version: dict[int, list[float]] = {}
     for record in run.received:
         by_version.setdefault(record.pulled, []).append(record.loss)
     versions = sorted(by_version)
     losses = [statistics.mean(by_version[v]) for v in versions]
-    if any(math.isnan(loss) for loss in losses):
+    if all(math.isnan(loss) for loss in losses):
         raise ValueError("the run has no losses (a simulated run trains nothing): plot a launched run's records")
-    return versions, losses, [0.0 if v == 0 else run.update_times_s[v - 1] for v in versions]
+    positions = versions
+    if x == "gradients":
+        made = sorted(r.applied for r in run.applied)  # the version each applied gradient went into (made v + 1)
+        positions = [bisect.bisect_left(made, v) for v in versions]
+    return positions, losses, [0.0 if v == 0 else run.update_times_s[v - 1] for v in versions]
 
 
 def plot_loss_curves_ps(runs: Mapping[str, Any], smooth: int = 1, title: str = "Training loss through a parameter "
-                        "server") -> Figure:
+                        "server", x: str = "updates", log: bool = False,
+                        ylabel: str = "training loss (nats)") -> Figure:
     """Loss against updates (left) and against wall-clock seconds (right), one line per run (``label ->
     ParameterServerRun``, e.g. one per mode), each point the mean loss of the gradients computed on one version
     (:func:`loss_by_version`), averaged over ``smooth`` versions.  Asynchronous runs make more updates per
-    second, each from one gradient: the left panel shows what an update is worth, the right what a second is."""
+    second, each from one gradient: the left panel shows what an update is worth, the right what a second is.
+    ``x="gradients"`` puts the gradients applied on the left panel's axis instead (what each gradient is
+    worth); ``log`` draws the loss on a log scale (a diverging run); ``ylabel`` names the loss and its unit."""
     if not runs:
         raise ValueError("no runs to draw")
     figure = Figure(figsize=(11, 3.8))
     by_update, by_time = figure.subplots(1, 2, sharey=True)
     for index, (label, run) in enumerate(runs.items()):
-        versions, losses, seconds = loss_by_version(run)
+        positions, losses, seconds = loss_by_version(run, x)
         color = MODE_COLORS.get(label, SERIES_COLORS[index % len(SERIES_COLORS)])
-        smoothed = _smooth(losses, smooth)
-        by_update.plot(versions, smoothed, color=color, label=label)
+        smoothed = _smooth(losses, smooth) if smooth > 1 else losses
+        by_update.plot(positions, smoothed, color=color, label=label)
         by_time.plot(seconds, smoothed, color=color, label=label)
-    by_update.set_xlabel("updates applied (server version)")
-    by_update.set_ylabel("training loss (nats)")
+    by_update.set_xlabel("updates applied (server version)" if x == "updates" else "gradients applied")
+    by_update.set_ylabel(ylabel + (", log scale" if log else ""))
     by_update.set_title(title, fontsize=10)
     by_time.set_xlabel("wall-clock (s)")
     by_time.set_title("the same runs against time", fontsize=10)
     for axis in (by_update, by_time):
         axis.legend(fontsize=8)
+        if log:
+            axis.set_yscale("log")
     figure.tight_layout()
     return figure
+
+
+def plot_sync_update_vs_workers(workers: Sequence[int], simulated_s: Mapping[str, Sequence[float]],
+                                formula_s: Mapping[str, Sequence[float]], title: str = "What waiting for the "
+                                "slowest costs") -> Axes:
+    """Seconds per update (drawn in ms) against the number of workers: each simulated series (markers) beside
+    its closed form (dashed, the same colour), e.g. ``{"sync": [...], "backup b = 1": [...]}``."""
+    axis = Figure(figsize=(6.5, 4.0)).subplots()
+    for index, (label, values) in enumerate(simulated_s.items()):
+        color = SERIES_COLORS[index % len(SERIES_COLORS)]
+        axis.plot(workers, [1e3 * v for v in values], "o-", color=color, label=f"{label}, simulated")
+        if label in formula_s:
+            axis.plot(workers, [1e3 * v for v in formula_s[label]], "--", color=color, label=f"{label}, formula")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(list(workers), [str(n) for n in workers])
+    axis.set_xlabel("workers N")
+    axis.set_ylabel("wall-clock per update (ms)")
+    axis.set_title(title, fontsize=10)
+    axis.legend(fontsize=8)
+    axis.figure.tight_layout()
+    return axis
 
 
 def plot_seconds_per_update(simulated: Mapping[str, ServerTimeline], model: Mapping[str, Throughput | None],

@@ -22,7 +22,8 @@ applied, held or still being computed, is (or will be) staler than the bound ``s
    launch times out; one the referee rejects fails the server's rank at once, with the referee's hint.
 
 :mod:`labkit.grading.guard` forbids ``labkit.parallel`` as for every exercise, less the parameter server itself
-(:data:`CHECKER_TOOLS`: everything ``parameter_server`` defines but its rule, :class:`Gate`).
+(:data:`CHECKER_TOOLS`: everything ``parameter_server`` and its messages, ``ps_messages``, define but the rule,
+:class:`Gate`, and the shard bounds it cuts the weights by).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from labkit.grading import CheckFailed, guard
 from labkit.launch import CollectiveTimeout, RankFailed, launch
 from labkit.models import MLPConfig, TinyMLP
-from labkit.parallel import parameter_server
+from labkit.parallel import parameter_server, ps_messages
 from labkit.parallel.parameter_server import Decision, Gate, Stragglers, run_parameter_server
 
 # The first failing case is the one reported: 4 workers and s = 2 first, where the bound binds often and neither
@@ -45,9 +46,10 @@ HUGE = 10**9  # a bound no run reaches: asynchronous training
 SEEDS = (0, 1, 2, 3)  # odd seeds: worker 0 is a straggler (arrives a fifth as often as the others)
 ARRIVALS = 40
 # The parameter server runs labkit's own code, all of it but the rule the student writes.
-_SERVER = parameter_server.__name__
-CHECKER_TOOLS = tuple(f"{_SERVER}.{name}" for name, value in vars(parameter_server).items()
-                      if getattr(value, "__module__", None) == _SERVER and value is not Gate)
+CHECKER_TOOLS = tuple(f"{module.__name__}.{name}" for module in (parameter_server, ps_messages)
+                      for name, value in vars(module).items()
+                      if getattr(value, "__module__", None) == module.__name__ and value is not Gate) \
+    + ("labkit.costmodel.collectives.chunk_bounds",)
 # The launched runs: (workers, s).  Worker 0 sleeps SLOW_S on every step, in which the fast workers (a step takes
 # about a millisecond) reach the bound, so an answer that lets a gradient be s + 1 stale shows it in every run.
 RUNS = ((3, 1), (2, 2))
