@@ -197,6 +197,26 @@ class ParallelWrapper(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load an unsharded model state (a :meth:`full_state_dict`) into this rank's part (default: whole)."""
+        self.module.load_state_dict(state)
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state as one process over the unsharded model would hold it (a collective where it is
+        sharded).  Default: the optimizer's own, when it is replicated or consolidates itself (ZeRO's)."""
+        if self._optimizer_state_sharded:
+            raise NotImplementedError(f"{type(self).__name__} keeps per-rank shards of the optimizer state; "
+                                      "gathering them into a full checkpoint is not written yet")
+        return optimizer.state_dict()
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a :meth:`full_optimizer_state_dict` into ``optimizer`` (this rank's part of it)."""
+        if self._optimizer_state_sharded:
+            raise NotImplementedError(f"{type(self).__name__}: loading a full optimizer state is not written yet")
+        optimizer.load_state_dict(state)
+
+    _optimizer_state_sharded = False  # True: a plain optimizer over per-rank slices, no gather written yet
+
 
 class SingleProcess(ParallelWrapper):
     """No parallelism: the contract around a plain model on one process, the baseline every wrapper is held to.

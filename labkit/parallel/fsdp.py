@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from labkit.parallel import fsdp_state
 from labkit.parallel.base import (
     ParallelWrapper,
     ShardLayout,
@@ -335,20 +336,18 @@ class FullyShardedDataParallel(ParallelWrapper):
     def _sharded(self) -> bool:
         return True
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the unsharded model's ``state_dict()`` (the shards' dtype, and the buffers) on every rank."""
-        full: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            for flat in unit.flats:
-                gathered = flat.shard.new_empty(flat.layout.padded_numel)
-                all_gather_tensor(gathered, flat.shard, group=self.group)
-                tensors = [flat.shard.new_empty(shape) for shape in flat.layout.shapes]
-                flat.layout.unpack(gathered, tensors)
-                full.update((name, tensor) for tensor, names in zip(tensors, flat.names, strict=True)
-                            for name in names)
-        full.update((name, buffer.detach().clone()) for name, buffer in self.module.named_buffers())
-        return {name: full[name] for name in self.module.state_dict()}
+        return fsdp_state.full_state_dict(self)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        fsdp_state.load_full_state_dict(self, state)
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return fsdp_state.full_optimizer_state_dict(self, optimizer)
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        fsdp_state.load_full_optimizer_state_dict(self, optimizer, state)
 
     def unsharded_bytes(self) -> int:
         """Bytes of full parameters and all-gather buffers allocated right now: the transient on top."""

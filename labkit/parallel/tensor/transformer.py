@@ -294,6 +294,8 @@ class TensorParallel(ParallelWrapper):
         dist.all_gather(pieces, tensor.contiguous(), group=self.group)
         return torch.cat(pieces, dim=dim).narrow(dim, 0, size).clone()
 
+    _optimizer_state_sharded = True  # each rank's optimizer steps its own slices (checkpoints: lesson 09)
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the dense ``TinyGPT``'s ``state_dict()`` (shards gathered, vocabulary padding dropped)."""

@@ -1,0 +1,261 @@
+"""labkit.checkpoint: exact resume (bit for bit) across new processes, atomic saves that survive SIGKILL, and
+clear errors for damaged or mismatched checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+from labkit import checkpoint, data
+from labkit.launch import RankFailed, launch
+from labkit.lr import warmup_then_decay
+from labkit.mesh import Mesh
+from labkit.models import GPTConfig, TinyGPT
+from labkit.parallel.base import SingleProcess
+from labkit.parallel.ddp import DistributedDataParallel
+from labkit.parallel.fsdp import FullyShardedDataParallel
+from labkit.parallel.tensor import parallelize_tensor
+from labkit.parallel.zero import ZeroDataParallel
+from labkit.precision import DynamicLossScaler
+from tests.conftest import REPO
+
+TOTAL, HALF = 8, 4
+WRAPPERS = {"single": SingleProcess, "ddp": DistributedDataParallel,
+            "zero1": lambda module: ZeroDataParallel(module, stage=1),
+            "zero2": lambda module: ZeroDataParallel(module, stage=2), "fsdp": FullyShardedDataParallel}
+
+
+def _train(strategy: str, steps: int, save_at: int | None = None, resume: str | None = None,
+           directory: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train TinyGPT 100k with dropout, AdamW, warmup then cosine decay and a dynamic loss scaler whose scale
+    grows every other step, each rank on its own batches; save at ``save_at``, or resume from ``resume``."""
+    torch.set_num_threads(1)
+    rank, world = (torch_dist.get_rank(), torch_dist.get_world_size()) if torch_dist.is_initialized() else (0, 1)
+    torch.manual_seed(100 + rank)  # dropout's stream: different on every rank
+    config = GPTConfig.preset("100k", dropout=0.1)
+    model = WRAPPERS[strategy](TinyGPT(config, seed=0))
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+    scheduler = warmup_then_decay(optimizer, total_steps=TOTAL, warmup_steps=3)
+    scaler = DynamicLossScaler(init_scale=2.0 ** 8, growth_interval=2)
+    generator = data.data_parallel_generator(0, rank, world)
+    tokens = data.MarkovChain().sample(5_000, seed=0)
+    start = 0
+    if resume is not None:
+        start = checkpoint.load(resume, model, optimizer, scheduler=scheduler, scaler=scaler,
+                                generators={"data": generator}).step
+    losses = []
+    for step in range(start, steps):
+        inputs, targets = data.batches(tokens, 4, config.block_size, generator)
+        loss = model(inputs, targets)[1]
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        losses.append(loss.item())
+        if save_at == step + 1:
+            checkpoint.save(checkpoint.step_directory(directory, step + 1), model, optimizer, step + 1,
+                            scheduler=scheduler, scaler=scaler, generators={"data": generator},
+                            extra={"strategy": strategy})
+    return losses, {name: tensor.clone() for name, tensor in model.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy, ranks", [("single", 1), ("ddp", 2), ("zero1", 2), ("zero2", 2), ("fsdp", 2),
+                                             ("fsdp", 3)])
+def test_a_resumed_run_is_bit_identical_to_one_that_never_stopped(strategy, ranks, tmp_path):
+    straight = launch(_train, strategy, TOTAL, nprocs=ranks, rank_output="none")
+    first = launch(_train, strategy, HALF, HALF, None, str(tmp_path), nprocs=ranks, rank_output="none")
+    saved = checkpoint.latest(tmp_path)
+    assert saved == checkpoint.step_directory(tmp_path, HALF)
+    resumed = launch(_train, strategy, TOTAL, None, str(saved), nprocs=ranks, rank_output="none")
+    for rank in range(ranks):
+        assert first[rank][0] == straight[rank][0][:HALF]
+        assert resumed[rank][0] == straight[rank][0][HALF:], (strategy, rank)  # floats: bit for bit
+        for name, tensor in straight[rank][1].items():
+            assert torch.equal(resumed[rank][1][name], tensor), (strategy, rank, name)
+    assert len({tuple(losses) for losses, _ in straight}) == ranks  # each rank trained on its own batches
+
+
+def _forget(what: str, strategy: str, directory: str) -> list[float]:
+    """Resume, then undo one part of the restore: what a resume that forgets it would do."""
+    torch.set_num_threads(1)
+    rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
+    fresh_rng = torch.get_rng_state()
+    fresh_generator = data.data_parallel_generator(0, rank, 1).get_state()
+    original = checkpoint.load
+
+    def forgetful(*args, **kwargs):
+        resumed = original(*args, **kwargs)
+        if what == "rng":
+            torch.set_rng_state(fresh_rng)
+        else:
+            kwargs["generators"]["data"].set_state(fresh_generator)
+        return resumed
+
+    checkpoint.load = forgetful
+    try:
+        return _train(strategy, TOTAL, None, directory)[0]
+    finally:
+        checkpoint.load = original
+
+
+@pytest.mark.parametrize("what", ["rng", "sampler"])
+def test_forgetting_the_rng_or_the_sampler_position_changes_the_resumed_losses(what, tmp_path):
+    straight = launch(_train, "single", TOTAL, nprocs=1, rank_output="none")[0][0]
+    launch(_train, "single", HALF, HALF, None, str(tmp_path), nprocs=1, rank_output="none")
+    resumed = launch(_forget, what, "single", str(checkpoint.latest(tmp_path)), nprocs=1, rank_output="none")[0]
+    assert resumed != straight[HALF:]
+
+
+def _single_save(directory: str, step: int = HALF, preset: str = "100k") -> None:
+    model = SingleProcess(TinyGPT(GPTConfig.preset(preset), seed=0))
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    checkpoint.save(directory, model, optimizer, step)
+
+
+def _single_load(directory: str, preset: str = "100k") -> int:
+    model = SingleProcess(TinyGPT(GPTConfig.preset(preset), seed=1))
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    return checkpoint.load(directory, model, optimizer).step
+
+
+def test_a_damaged_checkpoint_is_an_error_naming_the_file_and_what_is_wrong(tmp_path):
+    _single_save(tmp_path / "good")
+    assert _single_load(tmp_path / "good") == HALF
+    state = tmp_path / "good" / checkpoint.STATE
+    data_bytes = state.read_bytes()
+    state.write_bytes(data_bytes[: len(data_bytes) // 2])
+    with pytest.raises(checkpoint.CheckpointError, match=r"state\.pt: truncated or overwritten"):
+        _single_load(tmp_path / "good")
+    state.write_bytes(data_bytes[:100] + bytes([data_bytes[100] ^ 1]) + data_bytes[101:])
+    with pytest.raises(checkpoint.CheckpointError, match=r"state\.pt: corrupted"):
+        _single_load(tmp_path / "good")
+    state.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"state\.pt: missing"):
+        _single_load(tmp_path / "good")
+    (tmp_path / "good" / checkpoint.MANIFEST).unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="not a finished checkpoint"):
+        _single_load(tmp_path / "good")
+    with pytest.raises(checkpoint.CheckpointError, match="no such checkpoint directory"):
+        _single_load(tmp_path / "absent")
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensor(tmp_path):
+    _single_save(tmp_path / "small")
+    with pytest.raises(checkpoint.CheckpointError, match=r"a different model shape: .* is \(.*\) in the checkpoint"):
+        _single_load(tmp_path / "small", preset="1m")
+
+
+def test_a_full_checkpoint_refuses_another_world_size_and_an_unsupported_wrapper_says_so(tmp_path):
+    _single_save(tmp_path / "one")
+    with pytest.raises(RankFailed, match="saved on 1 rank"):
+        launch(_load_on_two, str(tmp_path / "one"), nprocs=2, rank_output="none")
+    with pytest.raises(RankFailed, match="TensorParallel keeps per-rank shards of the optimizer state"):
+        launch(_save_tensor_parallel, str(tmp_path / "tp"), nprocs=2, rank_output="none")
+
+
+def _load_on_two(directory: str) -> None:
+    model = DistributedDataParallel(TinyGPT(GPTConfig.preset("100k"), seed=0))
+    checkpoint.load(directory, model, model.make_optimizer(torch.optim.AdamW, lr=1e-3))
+
+
+def _save_tensor_parallel(directory: str) -> None:
+    model = parallelize_tensor(TinyGPT(GPTConfig.preset("100k"), seed=0), Mesh(tp=2))
+    checkpoint.save(directory, model, model.make_optimizer(torch.optim.AdamW, lr=1e-3), 1)
+
+
+def test_bad_steps_are_refused_before_anything_is_written(tmp_path):
+    model = SingleProcess(TinyGPT(GPTConfig.preset("100k"), seed=0))
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    for step in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="step must be an integer >= 0"):
+            checkpoint.save(tmp_path / "x", model, optimizer, step)
+    assert not (tmp_path / "x").exists()
+
+
+SAVER = """
+import sys, torch
+from labkit import checkpoint
+state = {"weights": torch.randn(2_000_000)}
+root = sys.argv[1]
+step = 0
+while True:
+    step += 1
+    directory = checkpoint.step_directory(root, step)
+    directory.mkdir(parents=True)
+    files = {"state.pt": checkpoint.write_atomically(directory / "state.pt", checkpoint._serialise(state))}
+    manifest = {"format": checkpoint.FORMAT, "layout": "full", "step": step, "world_size": 1, "files": files,
+                "model": {}}
+    checkpoint.write_atomically(directory / "manifest.json", __import__("json").dumps(manifest).encode())
+    print(step, flush=True)
+"""
+
+
+def test_a_process_killed_mid_save_leaves_the_last_checkpoint_whole_and_latest_skips_the_unfinished(tmp_path):
+    for delay in (0.3, 0.55, 0.8):
+        root = tmp_path / f"run-{delay}"
+        saver = subprocess.Popen([sys.executable, "-c", SAVER, str(root)], cwd=REPO, stdout=subprocess.PIPE,
+                                 text=True)
+        assert saver.stdout.readline()  # one save finished
+        time.sleep(delay)
+        os.kill(saver.pid, signal.SIGKILL)  # no finally, no atexit: whatever was being written stays half-written
+        saver.wait(10)
+        found = checkpoint.latest(root)
+        manifest = checkpoint.read_manifest(found)
+        assert checkpoint.read_file(found, "state.pt", manifest)["weights"].numel() == 2_000_000
+        newest = max(root.iterdir(), key=lambda path: path.name)
+        if newest != found:  # the save that was cut short: no manifest, never picked
+            assert not (newest / checkpoint.MANIFEST).exists()
+            assert json.loads((found / checkpoint.MANIFEST).read_text())["step"] == int(newest.name[5:]) - 1
+
+
+def test_latest_picks_the_highest_finished_step(tmp_path):
+    assert checkpoint.latest(tmp_path / "nothing") is None
+    for step in (2, 10, 7):
+        _single_save(checkpoint.step_directory(tmp_path, step), step)
+    checkpoint.step_directory(tmp_path, 12).mkdir()  # unfinished
+    (tmp_path / "step-notanumber").mkdir()
+    assert checkpoint.latest(tmp_path) == checkpoint.step_directory(tmp_path, 10)
+
+
+def _fsdp_optimizer_against_plain() -> bool:
+    torch.set_num_threads(1)
+    config = GPTConfig.preset("100k")
+    model = FullyShardedDataParallel(TinyGPT(config, seed=0))
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    plain = TinyGPT(config, seed=0)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    tokens = data.MarkovChain().sample(5_000, seed=0)
+    generator = torch.Generator().manual_seed(5)  # the same batches on every rank: the mean gradient is one's
+    for _ in range(3):
+        inputs, targets = data.batches(tokens, 4, config.block_size, generator)
+        for network, step_with in ((model, optimizer), (plain, plain_optimizer)):
+            step_with.zero_grad()
+            network(inputs, targets)[1].backward()
+            step_with.step()
+    full, reference = model.full_optimizer_state_dict(optimizer), plain_optimizer.state_dict()
+    assert full["param_groups"] == reference["param_groups"]
+    for index, state in reference["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(full["state"][index][key], value, rtol=1e-4, atol=1e-7, msg=f"{index} {key}")
+    fresh = FullyShardedDataParallel(TinyGPT(config, seed=1))
+    fresh_optimizer = fresh.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    fresh.load_full_state_dict(plain.state_dict())  # a single process's states load into the shards
+    fresh.load_full_optimizer_state_dict(fresh_optimizer, reference)
+    again = fresh.full_optimizer_state_dict(fresh_optimizer)
+    assert all(torch.equal(again["state"][index][key], value) for index, state in reference["state"].items()
+               for key, value in state.items())
+    return all(torch.equal(fresh.full_state_dict()[name], tensor) for name, tensor in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_fsdp_full_optimizer_state_is_a_plain_optimizers_and_loads_back_into_the_shards(ranks):
+    assert all(launch(_fsdp_optimizer_against_plain, nprocs=ranks, rank_output="none"))
