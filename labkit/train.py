@@ -21,8 +21,20 @@ loss (the entropy rate) is printed beside the loss so progress has a floor to ai
 :class:`labkit.models.TinyMLP` on Gaussian blobs.  Each *data-parallel* rank samples its own batches (seeded by
 its data-parallel coordinate, so that ranks that split one model, later, see the same batch), so the global
 batch is ``--batch-size x data-parallel ranks``.  Rank 0 prints progress with every rank's loss and the bytes
-each step communicated, and saves the unsharded model (``full_state_dict()``, gathered on every rank) atomically:
-write a temporary file, then rename.  Optimizer state and exact resume are the checkpointing lesson's.
+each step communicated.
+
+**Checkpoints** (``labkit.checkpoint``, lesson 09): with ``--checkpoint-dir DIR`` the whole training state (model,
+optimizer, step, the data sampler's position, every rank's RNGs) is saved every ``--save-every N`` steps and at
+the end, into ``DIR/step-NNNNNNNN``, atomically.  ``--resume PATH`` continues from a checkpoint exactly (the same
+losses, bit for bit, as a run that never stopped); ``--resume latest`` from the newest finished checkpoint in
+``DIR``, or from the start if there is none yet, which is what a job restarted by ``torchrun --max-restarts``
+needs::
+
+    torchrun --nproc_per_node=2 --max-restarts=2 -m labkit.train --strategy ddp --steps 1000 \
+        --checkpoint-dir runs/a --save-every 100 --resume latest
+
+``LABKIT_TRAIN_KILL=RANK:STEP`` kills that rank (``SIGKILL``) when it reaches that step, in the first attempt only
+(``TORCHELASTIC_RESTART_COUNT`` unset or 0): the fault injection of the elastic test and of lesson 09.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +53,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from labkit import data, dist, launch
+from labkit import checkpoint, data, dist, launch
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
 from labkit.parallel.base import ParallelWrapper, SingleProcess
@@ -64,7 +77,9 @@ class TrainConfig:
     bucket_cap_mb: float = 25.0
     clip_grad_norm: float | None = None
     log_every: int = 20
-    checkpoint: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int | None = None
+    resume: str | None = None  # a checkpoint directory, or "latest" (the newest in checkpoint_dir)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value, before any process starts."""
@@ -83,6 +98,13 @@ class TrainConfig:
             raise ValueError(f"--bucket-cap-mb must be >= 0, got {self.bucket_cap_mb}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
+        if self.save_every is not None and (self.save_every < 1 or self.checkpoint_dir is None):
+            raise ValueError(f"--save-every must be >= 1 and needs --checkpoint-dir, got {self.save_every} with "
+                             f"--checkpoint-dir {self.checkpoint_dir}")
+        if self.resume == "latest" and self.checkpoint_dir is None:
+            raise ValueError("--resume latest needs --checkpoint-dir (where to look for the newest checkpoint)")
+        if self.resume not in (None, "latest") and not Path(self.resume).is_dir():
+            raise ValueError(f"--resume {self.resume}: no such checkpoint directory")
 
 
 # The one place that knows the wrappers: a strategy's name -> how to wrap a plain model over the mesh.
@@ -99,9 +121,10 @@ STRATEGIES: dict[str, Callable[[nn.Module, Mesh | None, TrainConfig], ParallelWr
 
 
 def build(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1
-          ) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], float | None]:
-    """The plain model, a function ``step -> (inputs, targets)`` drawing this data-parallel rank's batch, and the
-    loss floor.  Ranks with the same data-parallel coordinate draw the same batches."""
+          ) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], float | None, torch.Generator]:
+    """The plain model, a function ``step -> (inputs, targets)`` drawing this data-parallel rank's batch, the loss
+    floor, and the sampler's generator (its state is the sampler's position).  Ranks with the same data-parallel
+    coordinate draw the same batches."""
     generator = data.data_parallel_generator(config.seed, dp_rank, dp_size)
     if config.model == "tiny-gpt":
         model_config = GPTConfig.preset(config.preset)
@@ -112,7 +135,7 @@ def build(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1
         def batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
             return data.batches(tokens, config.batch_size, model_config.block_size, generator)
 
-        return model, batch, chain.entropy_rate()
+        return model, batch, chain.entropy_rate(), generator
     classes = 4
     samples = data.make_classification(4096, 16, classes, seed=config.seed)
     model = TinyMLP(MLPConfig(in_features=16, hidden_sizes=(64, 64), num_classes=classes), seed=config.seed)
@@ -121,7 +144,7 @@ def build(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1
         index = torch.randint(len(samples), (config.batch_size,), generator=generator)
         return samples.tensors[0][index], samples.tensors[1][index]
 
-    return model, batch, None
+    return model, batch, None, generator
 
 
 def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -138,18 +161,20 @@ def train(config: TrainConfig) -> dict:
     if config.strategy != "single" and not dist.is_initialized():
         raise ValueError(f"--strategy {config.strategy} needs several ranks: pass --nprocs N, or run under torchrun")
     mesh = Mesh(dp=dist.world_size()) if dist.is_initialized() else None
-    plain, batch, floor = build(config, *((mesh.rank("dp"), mesh.size("dp")) if mesh is not None else (0, 1)))
+    plain, batch, floor, generator = build(config, *((mesh.rank("dp"), mesh.size("dp")) if mesh else (0, 1)))
     model = STRATEGIES[config.strategy](plain.to(device), mesh, config)
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=config.lr)
     world = dist.world_size()
+    start = _resume(config, model, optimizer, generator)
     if dist.is_main():
         size = sum(p.numel() for p in plain.parameters())
         print(f"labkit.train: {config.strategy} on {world} rank(s) ({dist.backend() or 'no process group'}, "
               f"{device}); {config.model} {size:,} parameters; global batch {config.batch_size * world}"
               + (f"; loss floor {floor:.3f} nats" if floor is not None else ""), flush=True)
     history: list[float] = []
-    start = time.perf_counter()
-    for step in range(1, config.steps + 1):
+    began = time.perf_counter()
+    for step in range(start + 1, config.steps + 1):
+        _maybe_killed(step)
         inputs, targets = (tensor.to(device) for tensor in batch(step))
         loss = _loss(model, inputs, targets)
         optimizer.zero_grad(set_to_none=True)
@@ -159,16 +184,17 @@ def train(config: TrainConfig) -> dict:
         optimizer.step()
         history.append(loss.item())
         if step % config.log_every == 0 or step == config.steps:
-            _log(step, config, loss.detach(), floor, time.perf_counter() - start, model.communication_per_step())
-    seconds = time.perf_counter() - start
+            _log(step, config, loss.detach(), floor, time.perf_counter() - began, model.communication_per_step())
+        if config.checkpoint_dir and (step == config.steps or (config.save_every and step % config.save_every == 0)):
+            saved = checkpoint.save(checkpoint.step_directory(config.checkpoint_dir, step), model, optimizer, step,
+                                    generators={"data": generator}, extra={"config": asdict(config)})
+            if dist.is_main():
+                print(f"checkpoint saved to {saved} (rank 0 writes)", flush=True)
+    seconds = time.perf_counter() - began
     full = model.full_state_dict()  # collective: every rank takes part
-    if config.checkpoint and dist.is_main():
-        save_checkpoint(config.checkpoint, full, config.steps, config)
-    if dist.is_initialized():
-        torch_dist.barrier()  # nobody reads the checkpoint before it exists
     checksum = float(sum(tensor.detach().double().sum() for name, tensor in full.items()
                          if name in dict(plain.named_parameters())))
-    return {"rank": dist.rank(), "losses": history, "ms_per_step": 1e3 * seconds / config.steps,
+    return {"rank": dist.rank(), "losses": history, "ms_per_step": 1e3 * seconds / max(1, len(history)),
             "communication": model.communication_per_step(), "memory": model.memory_breakdown(),
             "checksum": checksum}
 
@@ -196,15 +222,29 @@ def _log(step: int, config: TrainConfig, loss: torch.Tensor, floor: float | None
           + f" | {1e3 * elapsed / step:.1f} ms/step", flush=True)
 
 
-def save_checkpoint(path: str | os.PathLike, model_state: dict[str, torch.Tensor], step: int,
-                    config: TrainConfig) -> None:
-    """Write atomically: a crash mid-write leaves the previous checkpoint intact, never a truncated file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    torch.save({"model": model_state, "step": step, "config": asdict(config)}, partial)
-    os.replace(partial, path)
-    print(f"checkpoint saved to {path} (rank 0 only)", flush=True)
+def _resume(config: TrainConfig, model: ParallelWrapper, optimizer: torch.optim.Optimizer,
+            generator: torch.Generator) -> int:
+    """Load ``--resume`` (or the newest checkpoint, for ``latest``); the step it reached (0: a fresh start)."""
+    if config.resume is None:
+        return 0
+    path = checkpoint.latest(config.checkpoint_dir) if config.resume == "latest" else Path(config.resume)
+    if path is None:
+        if dist.is_main():
+            print(f"labkit.train: no checkpoint in {config.checkpoint_dir} yet: starting from step 0", flush=True)
+        return 0
+    step = checkpoint.load(path, model, optimizer, generators={"data": generator}).step
+    if dist.is_main():
+        print(f"labkit.train: resumed from {path} at step {step}", flush=True)
+    return step
+
+
+def _maybe_killed(step: int) -> None:
+    """The fault injection of ``LABKIT_TRAIN_KILL=RANK:STEP`` (first attempt only; see the module docstring)."""
+    target = os.environ.get("LABKIT_TRAIN_KILL")
+    if target and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        rank, _, at = target.partition(":")
+        if int(rank) == dist.rank() and int(at) == step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
@@ -220,7 +260,10 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--clip-grad-norm", type=float, default=None,
                         help="clip the gradients' global norm to this value (every strategy; default: no clipping)")
     parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--checkpoint", default=None, help="file rank 0 saves the final state to")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="directory of checkpoints (step-NNNNNNNN), saved every --save-every steps and at the end")
+    parser.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
+    parser.add_argument("--resume", default=None, help="a checkpoint directory, or 'latest' in --checkpoint-dir")
     parser.add_argument("--nprocs", type=int, default=None,
                         help="ranks to fork on this machine (default: 2 for ddp, 1 for single; ignored under torchrun)")
     args = parser.parse_args(argv)
@@ -243,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         results = [train(config)]
     else:
         results = launch.launch(train, config, nprocs=nprocs, timeout=None)
+    if not results[0]["losses"]:  # resumed at the last step: nothing left to train
+        if dist.is_main():
+            print(f"done: the checkpoint had reached step {config.steps} already; nothing to train")
+        return 0
     if dist.is_main():
         final = [result["losses"][-1] for result in results]
         same = len({round(result["checksum"], 6) for result in results}) == 1

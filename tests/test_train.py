@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from labkit import train
+from labkit import checkpoint, train
 from labkit.launch import launch
 from tests.conftest import REPO
 
@@ -23,18 +22,66 @@ def test_single_process_training_reduces_the_loss(capsys):
 
 
 def test_ddp_on_forked_ranks_keeps_replicas_identical_and_rank_zero_saves_once(tmp_path, capsys):
-    checkpoint = tmp_path / "run" / "final.pt"
     code = train.main(["--strategy", "ddp", "--nprocs", "3", "--model", "tiny-mlp", "--steps", "10",
-                       "--log-every", "5", "--checkpoint", str(checkpoint)])
+                       "--log-every", "5", "--checkpoint-dir", str(tmp_path / "run")])
     out = capsys.readouterr().out
     assert code == 0
     assert "ddp on 3 rank(s) (gloo, cpu)" in out and "replicas identical: yes" in out
     assert "per rank:" in out  # every rank's loss is gathered to rank 0
     assert out.count("checkpoint saved") == 1
-    state = torch.load(checkpoint, weights_only=False)
-    assert state["step"] == 10 and state["config"]["strategy"] == "ddp"
+    saved = checkpoint.latest(tmp_path / "run")
+    state = checkpoint.read_file(saved, checkpoint.STATE)
+    assert state["step"] == 10 and state["extra"]["config"]["strategy"] == "ddp" and len(state["ranks"]) == 3
     assert not any(name.startswith("module.") for name in state["model"])  # the unwrapped model's keys
-    assert not list(tmp_path.glob("run/*.partial"))
+    assert not list(tmp_path.glob("run/*/.*.partial"))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_run_resumed_from_a_checkpoint_continues_bit_for_bit(strategy, tmp_path):
+    straight = train.TrainConfig(strategy=strategy, steps=8, log_every=8)
+    first = train.TrainConfig(strategy=strategy, steps=8, log_every=8, checkpoint_dir=str(tmp_path), save_every=4)
+    expected = launch(train.train, straight, nprocs=2, rank_output="none")
+    launch(train.train, first, nprocs=2, rank_output="none")
+    resumed = train.TrainConfig(strategy=strategy, steps=8, log_every=8,
+                                resume=str(checkpoint.step_directory(tmp_path, 4)))
+    again = launch(train.train, resumed, nprocs=2, rank_output="none")
+    for rank in range(2):
+        assert again[rank]["losses"] == expected[rank]["losses"][4:]
+        assert again[rank]["checksum"] == expected[rank]["checksum"]
+
+
+def test_resume_latest_starts_fresh_without_a_checkpoint_and_continues_from_the_newest(tmp_path, capsys):
+    flags = ["--model", "tiny-mlp", "--steps", "6", "--log-every", "6", "--checkpoint-dir", str(tmp_path),
+             "--save-every", "3", "--resume", "latest"]
+    assert train.main(flags) == 0
+    assert "no checkpoint in" in capsys.readouterr().out
+    assert checkpoint.latest(tmp_path) == checkpoint.step_directory(tmp_path, 6)
+    assert train.main([*flags[:3], "9", *flags[4:]]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "step-00000006 at step 6" in out and "step     9/9" in out
+    assert train.main([*flags[:3], "9", *flags[4:]]) == 0
+    assert "nothing to train" in capsys.readouterr().out
+
+
+def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint_and_ends_where_an_unbroken_run_does(tmp_path):
+    """Elastic: rank 1 is SIGKILLed at step 8 in the first attempt; torchrun restarts both ranks, which resume
+    from step 6 (--resume latest) and finish with the uninterrupted run's final loss, to the printed digit."""
+    def run(directory, kill):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   "--max-restarts=2", "-m", "labkit.train", "--strategy", "ddp", "--model", "tiny-mlp", "--steps",
+                   "12", "--log-every", "12", "--checkpoint-dir", str(directory), "--save-every", "3", "--resume",
+                   "latest"]
+        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if kill:
+            environment["LABKIT_TRAIN_KILL"] = "1:8"
+        completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        return completed.stdout
+
+    unbroken, broken = run(tmp_path / "a", kill=False), run(tmp_path / "b", kill=True)
+    assert "resumed from" not in unbroken and "resumed from" in broken and "step-00000006 at step 6" in broken
+    final = [line for line in (unbroken + "\n" + broken).splitlines() if line.startswith("done: final loss")]
+    assert len(final) == 2 and final[0] == final[1].replace(final[1].split(";")[1], final[0].split(";")[1]), final
 
 
 def test_every_strategy_trains_the_same_model_through_the_same_loop(capsys):
@@ -67,13 +114,13 @@ def test_tiny_gpt_trains_toward_the_entropy_floor(capsys):
 def test_under_torchrun_the_trainer_runs_in_place_on_each_rank(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "labkit.train", "--strategy", "ddp", "--model", "tiny-mlp", "--steps", "6", "--log-every", "3",
-               "--checkpoint", str(tmp_path / "c.pt")]
+               "--checkpoint-dir", str(tmp_path / "c")]
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.count("ddp on 2 rank(s)") == 1  # rank 0 prints, rank 1 does not
     assert "replicas identical: yes" in completed.stdout
-    assert (tmp_path / "c.pt").is_file()
+    assert checkpoint.latest(tmp_path / "c") is not None
 
 
 @pytest.mark.parametrize(
@@ -86,6 +133,9 @@ def test_under_torchrun_the_trainer_runs_in_place_on_each_rank(tmp_path):
         (["--lr", "-1"], "--lr must be positive"),
         (["--bucket-cap-mb", "-2"], "--bucket-cap-mb must be >= 0"),
         (["--nprocs", "0"], "--nprocs must be >= 1"),
+        (["--save-every", "5"], "--save-every must be >= 1 and needs --checkpoint-dir"),
+        (["--resume", "latest"], "--resume latest needs --checkpoint-dir"),
+        (["--resume", "/no/such/dir"], "--resume /no/such/dir: no such checkpoint directory"),
     ],
 )
 def test_bad_flags_exit_with_a_message_before_any_process_starts(flags, message, capsys):
