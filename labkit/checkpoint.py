@@ -14,6 +14,16 @@ contract (``full_state_dict()``, ``full_optimizer_state_dict(optimizer)``: colle
 sharded) and written by the first rank only, the rule of thumb "checkpoint only on rank 0".  The per-rank parts
 (RNG and sampler states) travel to the first rank with ``all_gather_object``.  Any world size can load it.
 
+**The sharded layout** (``layout="sharded"``): nothing is gathered.  Each rank writes the pieces of the states it
+holds (``sharded_state(optimizer)`` of the contract: for FSDP its rows of every parameter and of Adam's moments;
+replicated states are written once, by the first rank) to ``shard-RRRRR-of-NNNNN.pt``, with its RNG and sampler
+states; the first rank writes what every rank shares (``common.pt``: the optimizer's hyperparameters and step
+counts, the schedule, the scaler, the step) and the manifest, which says for every tensor which file holds which
+flat range of it.  Loading on ``M`` ranks, any ``M``, assembles each tensor from its pieces and hands it to the
+wrapper's ``load_full_*`` methods, which keep this rank's part: that is *resharding*.  On another number of ranks
+the per-rank RNG and sampler states have no owner, so they are left as they are (``Resumed.resharded``).  The
+price of this simple loader: while loading, a rank holds whole tensors, one at a time per file read.
+
 **Atomic.**  A checkpoint is a directory.  Each file is written under a temporary name in that directory,
 flushed and ``fsync``-ed, then renamed (``os.replace`` is atomic on POSIX), and the directory is ``fsync``-ed.
 ``manifest.json`` comes last, with every file's size and SHA-256: a directory without a manifest is a save that
@@ -28,159 +38,51 @@ tensor and both shapes) or a rank count the per-rank parts do not cover.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import os
-import random
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-FORMAT = "labkit-checkpoint/1"
-MANIFEST = "manifest.json"
-STATE = "state.pt"
-STEP_DIRECTORY = re.compile(r"^step-(\d+)$")
+from labkit.checkpoint_files import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    latest,
+    read_file,
+    read_manifest,
+    rng_state,
+    serialise,
+    set_rng_state,
+    step_directory,
+    write_atomically,
+)
+
+__all__ = ["FORMAT", "LAYOUTS", "MANIFEST", "STATE", "COMMON", "CheckpointError", "Resumed", "latest", "load",
+           "load_dcp_model", "read_file", "read_manifest", "rng_state", "save", "serialise", "set_rng_state", "shard_file",
+           "step_directory", "write_atomically"]
+
+STATE, COMMON = "state.pt", "common.pt"
+LAYOUTS = ("full", "sharded")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: the message names the file and what is wrong with it."""
+def shard_file(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.pt"
 
 
 @dataclass
 class Resumed:
-    """What :func:`load` restored besides the objects it was given: the step, and the caller's ``extra``."""
+    """What :func:`load` restored besides the objects it was given: the step, the caller's ``extra``, and whether
+    the checkpoint came from another number of ranks (then this rank's RNG and samplers were left alone)."""
 
     step: int
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Random number generators: this process's, as tensors and plain values (weights_only-safe)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's generators: torch's CPU generator, every CUDA device's (where CUDA is initialised),
-    Python's ``random`` and NumPy's global generator."""
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Put back what :func:`rng_state` returned."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, position, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# --------------------------------------------------------------------------------------------------------
-# Files: atomic writes, the manifest, checked reads
-
-
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def write_atomically(path: Path, data: bytes) -> dict[str, Any]:
-    """Write ``data`` to ``path`` so that ``path`` is either absent, or old, or complete: a temporary file in
-    the same directory, flushed and fsynced, renamed over ``path``.  Returns its size and SHA-256."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(path.parent)
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _serialise(value: Any) -> bytes:
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of checkpoint directory ``path``; :class:`CheckpointError` if there is none (a save that did
-    not finish, or not a checkpoint) or it is not labkit's."""
-    path = Path(path)
-    manifest_path = path / MANIFEST
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{manifest_path}: missing; {path} is not a finished checkpoint (a save that was "
-                              "interrupted leaves no manifest)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{manifest_path}: unreadable ({error})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    return manifest
-
-
-def read_file(path: str | os.PathLike, name: str, manifest: Mapping[str, Any] | None = None) -> Any:
-    """File ``name`` of checkpoint ``path``, checked against the manifest (present, its size, its SHA-256),
-    then loaded with ``torch.load(weights_only=True)`` onto the CPU."""
-    path = Path(path)
-    manifest = read_manifest(path) if manifest is None else manifest
-    expected = manifest["files"].get(name)
-    file = path / name
-    if expected is None:
-        raise CheckpointError(f"{file}: not listed in {path / MANIFEST}")
-    if not file.is_file():
-        raise CheckpointError(f"{file}: missing (the manifest lists it, {expected['bytes']:,} bytes)")
-    data = file.read_bytes()
-    if len(data) != expected["bytes"]:
-        raise CheckpointError(f"{file}: truncated or overwritten: {len(data):,} bytes, the manifest says "
-                              f"{expected['bytes']:,}")
-    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise CheckpointError(f"{file}: corrupted: its SHA-256 differs from the manifest's")
-    import io
-
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-
-
-def step_directory(root: str | os.PathLike, step: int) -> Path:
-    """Where the checkpoint of ``step`` goes under ``root``: ``root/step-00000100``."""
-    return Path(root) / f"step-{step:08d}"
-
-
-def latest(root: str | os.PathLike) -> Path | None:
-    """The finished checkpoint of the highest step under ``root`` (``step-NNNNNNNN`` directories with a
-    manifest), or None.  Unfinished saves (no manifest) are passed over."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    found = []
-    for child in root.iterdir():
-        match = STEP_DIRECTORY.match(child.name)
-        if match and child.is_dir() and (child / MANIFEST).is_file():
-            found.append((int(match.group(1)), child))
-    return max(found)[1] if found else None
-
-
-# --------------------------------------------------------------------------------------------------------
-# Save and load the training state
+    resharded: bool = False
 
 
 def _world(group: Any) -> tuple[int, int]:
@@ -190,10 +92,9 @@ def _world(group: Any) -> tuple[int, int]:
 
 
 def _gather_objects(value: Any, group: Any) -> list[Any]:
-    rank, world = _world(group)
-    if world == 1:
+    if _world(group)[1] == 1:
         return [value]
-    everyone: list[Any] = [None] * world
+    everyone: list[Any] = [None] * _world(group)[1]
     torch_dist.all_gather_object(everyone, value, group=group)
     return everyone
 
@@ -202,30 +103,69 @@ def _per_rank(generators: Mapping[str, torch.Generator] | None) -> dict[str, Any
     return {"rng": rng_state(), "generators": {name: g.get_state() for name, g in (generators or {}).items()}}
 
 
+def _shapes(model_state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    return {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for name, t in model_state.items()}
+
+
+def _split_optimizer(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict[str, torch.Tensor]]]:
+    """An optimizer state dict as (what every rank shares: groups and scalar states, per-element tensors)."""
+    shared = {"param_groups": state["param_groups"], "scalars": {}}
+    tensors: dict[int, dict[str, torch.Tensor]] = {}
+    for position, entries in state["state"].items():
+        for key, value in entries.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                tensors.setdefault(int(position), {})[key] = value
+            else:
+                shared["scalars"].setdefault(int(position), {})[key] = value
+    return shared, tensors
+
+
 def save(path: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, step: int, *,
          scheduler: Any = None, scaler: Any = None, generators: Mapping[str, torch.Generator] | None = None,
-         extra: Mapping[str, Any] | None = None, group: Any = None) -> Path:
-    """Save the training state to directory ``path`` (full layout; see the module docstring).  Every rank of
-    ``group`` calls it (the gathers are collectives); the first rank writes.  ``model`` is a parallel wrapper
-    (``labkit.parallel``: anything with ``full_state_dict`` and ``full_optimizer_state_dict``); ``generators``
-    the data samplers' ``torch.Generator`` s by name; ``extra`` anything else picklable as plain values."""
+         extra: Mapping[str, Any] | None = None, layout: str = "full", group: Any = None) -> Path:
+    """Save the training state to directory ``path`` in ``layout`` (see the module docstring).  Every rank of
+    ``group`` calls it (it gathers); ``model`` is a parallel wrapper (the contract of ``labkit.parallel.base``);
+    ``generators`` the data samplers' ``torch.Generator`` s by name; ``extra`` plain values to keep."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     path = Path(path)
-    model_state = model.full_state_dict()
-    optimizer_state = model.full_optimizer_state_dict(optimizer)
-    ranks = _gather_objects(_per_rank(generators), group)
     rank, world = _world(group)
-    if rank == 0:
+    model_state = model.full_state_dict()  # also the shapes the manifest records
+    shared = {"scheduler": scheduler.state_dict() if scheduler is not None else None, "step": step,
+              "scaler": scaler.state_dict() if scaler is not None else None, "extra": dict(extra or {})}
+    manifest = {"format": FORMAT, "layout": layout, "step": step, "world_size": world, "files": {},
+                "model": _shapes(model_state)}
+    if layout == "full":
+        shared.update(model={k: v.detach().cpu() for k, v in model_state.items()},
+                      optimizer=model.full_optimizer_state_dict(optimizer), ranks=_gather_objects(
+                          _per_rank(generators), group))
+        if rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            manifest["files"][STATE] = write_atomically(path / STATE, serialise(shared))
+    else:
+        common, _ = _split_optimizer(optimizer.state_dict())
+        pieces = model.sharded_state(optimizer)  # key -> (flat piece, whole shape, first element)
         path.mkdir(parents=True, exist_ok=True)
-        state = {"model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optimizer_state,
-                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "scaler": scaler.state_dict() if scaler is not None else None, "ranks": ranks,
-                 "step": step, "extra": dict(extra or {})}
-        files = {STATE: write_atomically(path / STATE, _serialise(state))}
-        manifest = {"format": FORMAT, "layout": "full", "step": step, "world_size": world, "files": files,
-                    "model": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                              for name, t in model_state.items()}}
+        name = shard_file(rank, world)
+        written = write_atomically(path / name, serialise(
+            {"pieces": {key: piece.detach().cpu().reshape(-1) for key, (piece, _, _) in pieces.items()},
+             "rank": _per_rank(generators)}))
+        table = {key: (list(shape), str(piece.dtype).removeprefix("torch."), begin, begin + piece.numel())
+                 for key, (piece, shape, begin) in pieces.items()}
+        everyone = _gather_objects((name, written, table), group)
+        if rank == 0:
+            tensors: dict[str, Any] = {}
+            for file, digest, entries in everyone:
+                manifest["files"][file] = digest
+                for key, (shape, dtype, begin, end) in entries.items():
+                    tensors.setdefault(key, {"shape": shape, "dtype": dtype, "pieces": []})["pieces"].append(
+                        [file, begin, end])
+            manifest["tensors"] = tensors
+            manifest["files"][COMMON] = write_atomically(path / COMMON, serialise({**shared, "optimizer": common}))
+    if rank == 0:
         write_atomically(path / MANIFEST, json.dumps(manifest, indent=1).encode())
     if world > 1:
         torch_dist.barrier(group=group)  # nobody reads it before it is complete
@@ -244,30 +184,78 @@ def _check_model(path: Path, saved: Mapping[str, Any], model_state: Mapping[str,
                                   f"{tuple(saved[name]['shape'])} in the checkpoint, {tuple(tensor.shape)} here")
 
 
+def _assemble(path: Path, manifest: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every tensor of a sharded checkpoint, whole, from its pieces; and each shard file's per-rank part."""
+    shards = {name: read_file(path, name, manifest) for name in manifest["files"] if name.startswith("shard-")}
+    whole: dict[str, torch.Tensor] = {}
+    for key, info in manifest["tensors"].items():
+        numel = math.prod(info["shape"])
+        flat = torch.empty(numel, dtype=getattr(torch, info["dtype"]))
+        covered = 0
+        for file, begin, end in info["pieces"]:
+            flat[begin:end] = shards[file]["pieces"][key]
+            covered += end - begin
+        if covered != numel:
+            raise CheckpointError(f"{path / MANIFEST}: {key}'s pieces cover {covered} of its {numel} elements")
+        whole[key] = flat.view(info["shape"])
+    return whole, {name: shard["rank"] for name, shard in shards.items()}
+
+
 def load(path: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
          scaler: Any = None, generators: Mapping[str, torch.Generator] | None = None, group: Any = None) -> Resumed:
-    """Restore what :func:`save` wrote into the given objects, on every rank of ``group``, and this rank's RNG
-    and sampler states; return the step and ``extra``.  Checks the files and the model's shapes first."""
+    """Restore what :func:`save` wrote (either layout) into the given objects, on every rank of ``group``, and
+    this rank's RNG and sampler states; return the step and ``extra``.  Checks the files and shapes first."""
     path = Path(path)
     manifest = read_manifest(path)
     rank, world = _world(group)
     _check_model(path, manifest["model"], model.full_state_dict())
-    if manifest["world_size"] != world:
-        raise CheckpointError(f"{path / MANIFEST}: saved on {manifest['world_size']} rank(s), loading on {world}: "
-                              "each rank's RNG and sampler states have no owner (the full layout resumes "
-                              "exactly on the same number of ranks)")
-    state = read_file(path, STATE, manifest)
-    model.load_full_state_dict(state["model"])
-    model.load_full_optimizer_state_dict(optimizer, state["optimizer"])
+    saved_world = manifest["world_size"]
+    if manifest["layout"] == "full":
+        if saved_world != world:
+            raise CheckpointError(f"{path / MANIFEST}: saved on {saved_world} rank(s), loading on {world}: each "
+                                  "rank's RNG and sampler states have no owner (the full layout resumes exactly on "
+                                  "the same number of ranks; the sharded layout reshards)")
+        state = read_file(path, STATE, manifest)
+        model_state, optimizer_state, mine = state["model"], state["optimizer"], state["ranks"][rank]
+    else:
+        state = read_file(path, COMMON, manifest)
+        whole, ranks = _assemble(path, manifest)
+        model_state = {key[len("model/"):]: tensor for key, tensor in whole.items() if key.startswith("model/")}
+        per_element: dict[int, dict[str, Any]] = {}
+        for key, tensor in whole.items():
+            if key.startswith("optimizer/"):
+                _, position, name = key.split("/", 2)
+                per_element.setdefault(int(position), {})[name] = tensor
+        for position, scalars in state["optimizer"]["scalars"].items():
+            per_element.setdefault(int(position), {}).update(scalars)
+        optimizer_state = {"state": per_element, "param_groups": state["optimizer"]["param_groups"]}
+        mine = ranks.get(shard_file(rank, world)) if saved_world == world else None
+    model.load_full_state_dict(model_state)
+    model.load_full_optimizer_state_dict(optimizer, optimizer_state)
     for name, thing in (("scheduler", scheduler), ("scaler", scaler)):
         if thing is not None:
             if state[name] is None:
-                raise CheckpointError(f"{path / STATE}: has no {name} state (it was saved without one)")
+                raise CheckpointError(f"{path}: has no {name} state (it was saved without one)")
             thing.load_state_dict(state[name])
-    mine = state["ranks"][rank]
-    for name, generator in (generators or {}).items():
-        if name not in mine["generators"]:
-            raise CheckpointError(f"{path / STATE}: no generator {name!r} (saved: {sorted(mine['generators'])})")
-        generator.set_state(mine["generators"][name])
-    set_rng_state(mine["rng"])
-    return Resumed(state["step"], state["extra"])
+    if mine is not None:
+        for name, generator in (generators or {}).items():
+            if name not in mine["generators"]:
+                raise CheckpointError(f"{path}: no generator {name!r} (saved: {sorted(mine['generators'])})")
+            generator.set_state(mine["generators"][name])
+        set_rng_state(mine["rng"])
+    return Resumed(state["step"], state["extra"], resharded=mine is None)
+
+
+def load_dcp_model(path: str | os.PathLike, model: Any, key: str = "model") -> None:
+    """Load the model weights of a ``torch.distributed.checkpoint`` (DCP) directory, saved by any number of ranks
+    as ``dcp.save({key: model_state_dict})`` (e.g. from ``fully_shard``), into ``model``, a labkit wrapper on any
+    number of ranks: every rank reads the whole tensors with DCP's own reader (no collective) and keeps its part
+    (``load_full_state_dict``).  The interoperation of lesson 09: DCP writes, labkit resumes."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (Path(path) / ".metadata").is_file():
+        raise CheckpointError(f"{Path(path) / '.metadata'}: missing; {path} is not a torch.distributed.checkpoint")
+    full = model.full_state_dict()
+    target = {key: {name: torch.empty_like(tensor, device="cpu") for name, tensor in full.items()}}
+    dcp.load(target, checkpoint_id=str(path), no_dist=True)
+    model.load_full_state_dict(target[key])

@@ -25,7 +25,8 @@ each step communicated.
 
 **Checkpoints** (``labkit.checkpoint``, lesson 09): with ``--checkpoint-dir DIR`` the whole training state (model,
 optimizer, step, the data sampler's position, every rank's RNGs) is saved every ``--save-every N`` steps and at
-the end, into ``DIR/step-NNNNNNNN``, atomically.  ``--resume PATH`` continues from a checkpoint exactly (the same
+the end, into ``DIR/step-NNNNNNNN``, atomically, gathered and written by rank 0 or, with ``--checkpoint-layout
+sharded``, by every rank (and then loadable on any number of ranks).  ``--resume PATH`` continues from a checkpoint exactly (the same
 losses, bit for bit, as a run that never stopped); ``--resume latest`` from the newest finished checkpoint in
 ``DIR``, or from the start if there is none yet, which is what a job restarted by ``torchrun --max-restarts``
 needs::
@@ -79,6 +80,7 @@ class TrainConfig:
     log_every: int = 20
     checkpoint_dir: str | None = None
     save_every: int | None = None
+    checkpoint_layout: str = "full"  # or "sharded": every rank writes its own shard (labkit.checkpoint)
     resume: str | None = None  # a checkpoint directory, or "latest" (the newest in checkpoint_dir)
 
     def validate(self) -> None:
@@ -101,6 +103,8 @@ class TrainConfig:
         if self.save_every is not None and (self.save_every < 1 or self.checkpoint_dir is None):
             raise ValueError(f"--save-every must be >= 1 and needs --checkpoint-dir, got {self.save_every} with "
                              f"--checkpoint-dir {self.checkpoint_dir}")
+        if self.checkpoint_layout not in checkpoint.LAYOUTS:
+            raise ValueError(f"--checkpoint-layout must be one of {checkpoint.LAYOUTS}, got {self.checkpoint_layout!r}")
         if self.resume == "latest" and self.checkpoint_dir is None:
             raise ValueError("--resume latest needs --checkpoint-dir (where to look for the newest checkpoint)")
         if self.resume not in (None, "latest") and not Path(self.resume).is_dir():
@@ -187,9 +191,11 @@ def train(config: TrainConfig) -> dict:
             _log(step, config, loss.detach(), floor, time.perf_counter() - began, model.communication_per_step())
         if config.checkpoint_dir and (step == config.steps or (config.save_every and step % config.save_every == 0)):
             saved = checkpoint.save(checkpoint.step_directory(config.checkpoint_dir, step), model, optimizer, step,
-                                    generators={"data": generator}, extra={"config": asdict(config)})
+                                    generators={"data": generator}, extra={"config": asdict(config)},
+                                    layout=config.checkpoint_layout)
             if dist.is_main():
-                print(f"checkpoint saved to {saved} (rank 0 writes)", flush=True)
+                who = "rank 0 writes" if config.checkpoint_layout == "full" else "every rank writes its shard"
+                print(f"checkpoint saved to {saved} ({who})", flush=True)
     seconds = time.perf_counter() - began
     full = model.full_state_dict()  # collective: every rank takes part
     checksum = float(sum(tensor.detach().double().sum() for name, tensor in full.items()
@@ -263,6 +269,7 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--checkpoint-dir", default=None,
                         help="directory of checkpoints (step-NNNNNNNN), saved every --save-every steps and at the end")
     parser.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
+    parser.add_argument("--checkpoint-layout", default="full", help="full (rank 0 writes) or sharded (every rank)")
     parser.add_argument("--resume", default=None, help="a checkpoint directory, or 'latest' in --checkpoint-dir")
     parser.add_argument("--nprocs", type=int, default=None,
                         help="ranks to fork on this machine (default: 2 for ddp, 1 for single; ignored under torchrun)")

@@ -34,7 +34,7 @@ WRAPPERS = {"single": SingleProcess, "ddp": DistributedDataParallel,
 
 
 def _train(strategy: str, steps: int, save_at: int | None = None, resume: str | None = None,
-           directory: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+           directory: str | None = None, layout: str = "full") -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train TinyGPT 100k with dropout, AdamW, warmup then cosine decay and a dynamic loss scaler whose scale
     grows every other step, each rank on its own batches; save at ``save_at``, or resume from ``resume``."""
     torch.set_num_threads(1)
@@ -64,15 +64,17 @@ def _train(strategy: str, steps: int, save_at: int | None = None, resume: str | 
         if save_at == step + 1:
             checkpoint.save(checkpoint.step_directory(directory, step + 1), model, optimizer, step + 1,
                             scheduler=scheduler, scaler=scaler, generators={"data": generator},
-                            extra={"strategy": strategy})
+                            extra={"strategy": strategy}, layout=layout)
     return losses, {name: tensor.clone() for name, tensor in model.full_state_dict().items()}
 
 
-@pytest.mark.parametrize("strategy, ranks", [("single", 1), ("ddp", 2), ("zero1", 2), ("zero2", 2), ("fsdp", 2),
-                                             ("fsdp", 3)])
-def test_a_resumed_run_is_bit_identical_to_one_that_never_stopped(strategy, ranks, tmp_path):
+@pytest.mark.parametrize("strategy, ranks, layout", [
+    ("single", 1, "full"), ("ddp", 2, "full"), ("zero1", 2, "full"), ("zero2", 2, "full"), ("fsdp", 2, "full"),
+    ("fsdp", 3, "full"), ("single", 1, "sharded"), ("ddp", 2, "sharded"), ("zero1", 2, "sharded"),
+    ("fsdp", 3, "sharded")])
+def test_a_resumed_run_is_bit_identical_to_one_that_never_stopped(strategy, ranks, layout, tmp_path):
     straight = launch(_train, strategy, TOTAL, nprocs=ranks, rank_output="none")
-    first = launch(_train, strategy, HALF, HALF, None, str(tmp_path), nprocs=ranks, rank_output="none")
+    first = launch(_train, strategy, HALF, HALF, None, str(tmp_path), layout, nprocs=ranks, rank_output="none")
     saved = checkpoint.latest(tmp_path)
     assert saved == checkpoint.step_directory(tmp_path, HALF)
     resumed = launch(_train, strategy, TOTAL, None, str(saved), nprocs=ranks, rank_output="none")
@@ -191,7 +193,7 @@ while True:
     step += 1
     directory = checkpoint.step_directory(root, step)
     directory.mkdir(parents=True)
-    files = {"state.pt": checkpoint.write_atomically(directory / "state.pt", checkpoint._serialise(state))}
+    files = {"state.pt": checkpoint.write_atomically(directory / "state.pt", checkpoint.serialise(state))}
     manifest = {"format": checkpoint.FORMAT, "layout": "full", "step": step, "world_size": 1, "files": files,
                 "model": {}}
     checkpoint.write_atomically(directory / "manifest.json", __import__("json").dumps(manifest).encode())
@@ -259,3 +261,90 @@ def _fsdp_optimizer_against_plain() -> bool:
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_fsdp_full_optimizer_state_is_a_plain_optimizers_and_loads_back_into_the_shards(ranks):
     assert all(launch(_fsdp_optimizer_against_plain, nprocs=ranks, rank_output="none"))
+
+
+FIXED = 123  # the generator seed of the batch every rank evaluates
+
+
+def _loss_on_fixed_batch(model, config) -> float:
+    tokens = data.MarkovChain().sample(5_000, seed=1)
+    inputs, targets = data.batches(tokens, 4, config.block_size, torch.Generator().manual_seed(FIXED))
+    return model(inputs, targets)[1].item()
+
+
+def _reshard(strategy: str, directory: str, save: bool) -> tuple[dict[str, torch.Tensor], float, float, bool]:
+    """On this world size: train 3 steps and save sharded (``save``), or load; then the full weights, the loss
+    of a fixed batch, and that loss after one more step on it (every rank the same batch)."""
+    torch.set_num_threads(1)
+    config = GPTConfig.preset("100k")
+    model = WRAPPERS[strategy](TinyGPT(config, seed=0))
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=3e-3)
+    resharded = False
+    if save:
+        generator = torch.Generator().manual_seed(torch_dist.get_rank())
+        tokens = data.MarkovChain().sample(5_000, seed=0)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(*data.batches(tokens, 4, config.block_size, generator))[1].backward()
+            optimizer.step()
+        checkpoint.save(directory, model, optimizer, 3, layout="sharded")
+    else:
+        resharded = checkpoint.load(directory, model, optimizer).resharded
+    weights = {name: tensor.clone() for name, tensor in model.full_state_dict().items()}
+    before = _loss_on_fixed_batch(model, config)
+    optimizer.zero_grad()
+    tokens = data.MarkovChain().sample(5_000, seed=1)
+    model(*data.batches(tokens, 4, config.block_size, torch.Generator().manual_seed(FIXED)))[1].backward()
+    optimizer.step()
+    return weights, before, _loss_on_fixed_batch(model, config), resharded
+
+
+@pytest.mark.parametrize("strategy, saved_on, loaded_on", [("fsdp", 4, 2), ("fsdp", 2, 4), ("zero1", 4, 2),
+                                                           ("zero2", 2, 3)])
+def test_a_sharded_checkpoint_reshards_to_another_number_of_ranks(strategy, saved_on, loaded_on, tmp_path):
+    saved = launch(_reshard, strategy, str(tmp_path), True, nprocs=saved_on, rank_output="none")[0]
+    manifest = checkpoint.read_manifest(tmp_path)
+    assert sum(name.startswith("shard-") for name in manifest["files"]) == saved_on
+    loaded = launch(_reshard, strategy, str(tmp_path), False, nprocs=loaded_on, rank_output="none")
+    if strategy == "fsdp" and saved_on == 4:  # a shard file lost: an error naming it, on every rank
+        (tmp_path / checkpoint.shard_file(2, 4)).rename(tmp_path / "elsewhere.pt")
+        with pytest.raises(RankFailed, match=r"shard-00002-of-00004\.pt: missing"):
+            launch(_reshard, strategy, str(tmp_path), False, nprocs=loaded_on, rank_output="none")
+    for weights, before, after, resharded in loaded:
+        assert resharded
+        assert all(torch.equal(weights[name], tensor) for name, tensor in saved[0].items())  # the same weights
+        assert before == saved[1]  # the same loss
+        assert after == pytest.approx(saved[2], rel=1e-6)  # and the same next step (Adam's moments resharded)
+
+
+def _dcp_save(directory: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    model = TinyGPT(GPTConfig.preset("100k"), seed=3)
+    full = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    mesh = init_device_mesh("cpu", (torch_dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory)
+    return full
+
+
+def _dcp_load(directory: str, strategy: str) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    model = WRAPPERS[strategy](TinyGPT(GPTConfig.preset("100k"), seed=0))
+    checkpoint.load_dcp_model(directory, model)
+    return {name: tensor.clone() for name, tensor in model.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy, ranks", [("fsdp", 3), ("ddp", 2)])
+def test_a_torch_distributed_checkpoint_of_fully_shard_loads_into_labkit(strategy, ranks, tmp_path):
+    expected = launch(_dcp_save, str(tmp_path / "dcp"), nprocs=2, rank_output="none")[0]
+    for found in launch(_dcp_load, str(tmp_path / "dcp"), strategy, nprocs=ranks, rank_output="none"):
+        assert all(torch.equal(found[name], tensor) for name, tensor in expected.items())
+    with pytest.raises(checkpoint.CheckpointError, match="is not a torch.distributed.checkpoint"):
+        checkpoint.load_dcp_model(tmp_path, SingleProcess(TinyGPT(GPTConfig.preset("100k"))))

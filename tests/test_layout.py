@@ -25,7 +25,8 @@ LAYERS = [  # lowest first; a module's layer is the first prefix that matches
     ("runtime", ("labkit.dist", "labkit.worker", "labkit.launch", "labkit.mesh", "labkit.trace",
                  "labkit.collectives", "labkit.measure")),
     ("parallel", ("labkit.parallel",)),
-    ("recipes", ("labkit.lr", "labkit.precision", "labkit.recompute", "labkit.checkpoint")),
+    ("recipes", ("labkit.lr", "labkit.precision", "labkit.recompute", "labkit.checkpoint",
+                 "labkit.checkpoint_files")),
     ("top", ("labkit.train", "labkit.viz", "labkit.grading", "labkit.cli", "labkit")),
 ]
 

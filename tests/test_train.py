@@ -36,10 +36,11 @@ def test_ddp_on_forked_ranks_keeps_replicas_identical_and_rank_zero_saves_once(t
     assert not list(tmp_path.glob("run/*/.*.partial"))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_run_resumed_from_a_checkpoint_continues_bit_for_bit(strategy, tmp_path):
+@pytest.mark.parametrize("strategy, layout", [("ddp", "full"), ("fsdp", "sharded")])
+def test_a_run_resumed_from_a_checkpoint_continues_bit_for_bit(strategy, layout, tmp_path):
     straight = train.TrainConfig(strategy=strategy, steps=8, log_every=8)
-    first = train.TrainConfig(strategy=strategy, steps=8, log_every=8, checkpoint_dir=str(tmp_path), save_every=4)
+    first = train.TrainConfig(strategy=strategy, steps=8, log_every=8, checkpoint_dir=str(tmp_path), save_every=4,
+                              checkpoint_layout=layout)
     expected = launch(train.train, straight, nprocs=2, rank_output="none")
     launch(train.train, first, nprocs=2, rank_output="none")
     resumed = train.TrainConfig(strategy=strategy, steps=8, log_every=8,
@@ -135,6 +136,7 @@ def test_under_torchrun_the_trainer_runs_in_place_on_each_rank(tmp_path):
         (["--nprocs", "0"], "--nprocs must be >= 1"),
         (["--save-every", "5"], "--save-every must be >= 1 and needs --checkpoint-dir"),
         (["--resume", "latest"], "--resume latest needs --checkpoint-dir"),
+        (["--checkpoint-layout", "zip"], "--checkpoint-layout must be one of"),
         (["--resume", "/no/such/dir"], "--resume /no/such/dir: no such checkpoint directory"),
     ],
 )

@@ -215,6 +215,16 @@ class ParallelWrapper(nn.Module):
             raise NotImplementedError(f"{type(self).__name__}: loading a full optimizer state is not written yet")
         optimizer.load_state_dict(state)
 
+    def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, tuple[torch.Tensor, list[int], int]]:
+        """For a sharded checkpoint, ``{"model/NAME" or "optimizer/POSITION/STATE": (this rank's piece, the whole
+        shape, the piece's first element, flattened)}``; default: replicated states, whole, on the first rank."""
+        model, optimizer_state = self.full_state_dict(), self.full_optimizer_state_dict(optimizer)
+        pieces = {f"model/{name}": (tensor, list(tensor.shape), 0) for name, tensor in model.items()}
+        pieces.update((f"optimizer/{position}/{key}", (value, list(value.shape), 0))
+                      for position, entries in optimizer_state["state"].items() for key, value in entries.items()
+                      if torch.is_tensor(value) and value.dim() > 0)
+        return pieces if self.rank == 0 else {}
+
     _optimizer_state_sharded = False  # True: a plain optimizer over per-rank slices, no gather written yet
 
 

@@ -10,7 +10,6 @@ chunks, padded to the full chunk size, lie end to end in one flat *shard* buffer
 parameters *are* this rank's chunks, ``nn.Parameter`` views of that buffer of shape ``[rows_r, ...]`` under
 their own names, so ``named_parameters()``, ``state_dict()`` and ``.grad`` hold per-parameter shards (FSDP2's
 ``DTensor.to_local()``) and an optimizer on ``parameters()`` keeps ``1/N`` of the state.
-
 Hooks on every unit (every rank runs the same units in the same order):
 
 - *before its forward*: all-gather the shards into a padded full buffer, copy the rows out into the full
@@ -27,7 +26,6 @@ The root is gathered once, kept until the end of backward.  A rank holds ``Psi/N
 briefly, the full root and about two units.  Per step every unit's padded buffer is all-gathered twice (the root
 once) and every trainable one reduce-scattered once: ``3 Psi``, 1.5 times DDP.  With ``compute_dtype`` (bf16)
 the fp32 *master* shards are cast before the all-gather (half the bytes), gradients reduced in ``reduce_dtype``.
-
 **m forwards, then m backwards** (a pipeline schedule).  The backward bookkeeping lives in a record of each
 forward pass that its hooks carry, so every backward re-gathers each unit before its part of that graph and
 frees it after; the root stays gathered until no forward awaits its backward.  With
@@ -348,6 +346,9 @@ class FullyShardedDataParallel(ParallelWrapper):
 
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         fsdp_state.load_full_optimizer_state_dict(self, optimizer, state)
+
+    def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, tuple[torch.Tensor, list[int], int]]:
+        return fsdp_state.sharded_state(self, optimizer)
 
     def unsharded_bytes(self) -> int:
         """Bytes of full parameters and all-gather buffers allocated right now: the transient on top."""
