@@ -12,17 +12,18 @@ run to the uninterrupted one *bit for bit*.
 **The full layout** (``layout="full"``): the unsharded model and optimizer state, gathered through the wrapper
 contract (``full_state_dict()``, ``full_optimizer_state_dict(optimizer)``: collectives where the state is
 sharded) and written by the first rank only, the rule of thumb "checkpoint only on rank 0".  The per-rank parts
-(RNG and sampler states) travel to the first rank with ``all_gather_object``.  Any world size can load it.
+(RNG and sampler states) travel to the first rank with ``all_gather_object``, so it resumes on the same number of
+ranks, where every part has its owner.
 
-**The sharded layout** (``layout="sharded"``): nothing is gathered.  Each rank writes the pieces of the states it
-holds (``sharded_state(optimizer)`` of the contract: for FSDP its rows of every parameter and of Adam's moments;
-replicated states are written once, by the first rank) to ``shard-RRRRR-of-NNNNN.pt``, with its RNG and sampler
-states; the first rank writes what every rank shares (``common.pt``: the optimizer's hyperparameters and step
+**The sharded layout** (``layout="sharded"``): each rank writes the pieces of the states it holds
+(``sharded_state(optimizer)`` of the contract) to ``shard-RRRRR-of-NNNNN.pt``, with its RNG and sampler states.
+FSDP writes its rows of every parameter and of Adam's moments, and gathers nothing; replicated states are written
+whole, once, by the first rank (ZeRO's optimizer state too, gathered: its own pieces are not written yet); the first rank writes what every rank shares (``common.pt``: the optimizer's hyperparameters and step
 counts, the schedule, the scaler, the step) and the manifest, which says for every tensor which file holds which
 flat range of it.  Loading on ``M`` ranks, any ``M``, assembles each tensor from its pieces and hands it to the
 wrapper's ``load_full_*`` methods, which keep this rank's part: that is *resharding*.  On another number of ranks
 the per-rank RNG and sampler states have no owner, so they are left as they are (``Resumed.resharded``).  The
-price of this simple loader: while loading, a rank holds whole tensors, one at a time per file read.
+price of this simple loader: every rank reads every shard file and holds the whole state while it loads.
 
 **Atomic.**  A checkpoint is a directory.  Each file is written under a temporary name in that directory,
 flushed and ``fsync``-ed, then renamed (``os.replace`` is atomic on POSIX), and the directory is ``fsync``-ed.
@@ -133,12 +134,12 @@ def save(path: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, 
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     path = Path(path)
     rank, world = _world(group)
-    model_state = model.full_state_dict()  # also the shapes the manifest records
     shared = {"scheduler": scheduler.state_dict() if scheduler is not None else None, "step": step,
               "scaler": scaler.state_dict() if scaler is not None else None, "extra": dict(extra or {})}
-    manifest = {"format": FORMAT, "layout": layout, "step": step, "world_size": world, "files": {},
-                "model": _shapes(model_state)}
+    manifest = {"format": FORMAT, "layout": layout, "step": step, "world_size": world, "files": {}}
     if layout == "full":
+        model_state = model.full_state_dict()
+        manifest["model"] = _shapes(model_state)
         shared.update(model={k: v.detach().cpu() for k, v in model_state.items()},
                       optimizer=model.full_optimizer_state_dict(optimizer), ranks=_gather_objects(
                           _per_rank(generators), group))
@@ -164,6 +165,8 @@ def save(path: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, 
                     tensors.setdefault(key, {"shape": shape, "dtype": dtype, "pieces": []})["pieces"].append(
                         [file, begin, end])
             manifest["tensors"] = tensors
+            manifest["model"] = {key[len("model/"):]: {"shape": info["shape"], "dtype": info["dtype"]}
+                                 for key, info in tensors.items() if key.startswith("model/")}
             manifest["files"][COMMON] = write_atomically(path / COMMON, serialise({**shared, "optimizer": common}))
     if rank == 0:
         write_atomically(path / MANIFEST, json.dumps(manifest, indent=1).encode())
