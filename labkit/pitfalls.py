@@ -1,0 +1,119 @@
+"""The pitfalls of distributed training, each made measurable so that it can be shown and caught (lesson 09).
+
+- **Replicas that drift apart.**  Data parallelism assumes every rank holds the same weights.  Ranks that
+  initialise with different seeds, and nothing that broadcasts the first rank's weights (labkit's and PyTorch's
+  DDP both do at construction), train N different models while all-reducing their gradients: nothing fails, the
+  loss even goes down.  :func:`replica_differences` measures how far each tensor is from the first rank's copy,
+  and :func:`check_replicas_identical` turns any difference into an error naming the tensors.
+- **The same data on every rank.**  A sampler seeded with the same seed on every rank draws the same samples
+  everywhere: N ranks do the work of one.  :func:`duplicate_fraction` counts the samples another rank drew too.
+- **Floating-point addition is not associative.**  The same global batch, averaged over 2 ranks or over 4, is
+  summed in another order and gives other bits: a run is reproducible on a fixed world size (and fixed kernels),
+  not across them.  :func:`reduction_order_gaps` measures the difference for one vector of per-sample gradients.
+- **Every rank writing the same file.**  N ranks that save "the" checkpoint to one path, or print "the" log line,
+  write N times: the log is interleaved N-fold, and the file holds whichever rank's bytes landed last (or, with
+  unequal sizes and no atomic rename, a mixture).  :func:`write_from_every_rank` does it on purpose and reports
+  which ranks' bytes the file ends up holding.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from labkit.dist import global_rank
+
+
+@torch.no_grad()
+def replica_differences(module: nn.Module, group: Any = None) -> dict[str, float]:
+    """Collective: for every tensor of ``module.state_dict()``, the largest absolute difference, over the ranks
+    of ``group``, between a rank's copy and the first rank's (all zeros when the replicas are identical)."""
+    found = {}
+    for name, tensor in module.state_dict().items():
+        first = tensor.detach().clone()
+        torch_dist.broadcast(first, src=global_rank(group, 0), group=group)
+        gap = (tensor.detach().double() - first.double()).abs().max() if tensor.numel() else torch.zeros(())
+        gap = gap.reshape(1).to(tensor.device)
+        torch_dist.all_reduce(gap, op=torch_dist.ReduceOp.MAX, group=group)
+        found[name] = gap.item()
+    return found
+
+
+def check_replicas_identical(module: nn.Module, group: Any = None, tolerance: float = 0.0) -> None:
+    """Collective: raise ``RuntimeError`` naming the tensors whose copies differ across ``group`` by more than
+    ``tolerance`` (what to run after construction, and now and then during a data-parallel run)."""
+    differences = replica_differences(module, group)
+    differing = {name: gap for name, gap in differences.items() if gap > tolerance}
+    if differing:
+        shown = ", ".join(f"{name} (up to {gap:.3g})" for name, gap in list(differing.items())[:5])
+        raise RuntimeError(f"the replicas differ: {len(differing)} of {len(differences)} tensors are not the same "
+                           f"on every rank: {shown}.  Initialise with the same seed on every rank, or broadcast the "
+                           "first rank's weights before training (DDP does)")
+
+
+def duplicate_fraction(samples_per_rank: Sequence[Sequence[int]]) -> float:
+    """Of all the samples the ranks drew (``samples_per_rank[r]``: rank ``r``'s sample indices), the fraction
+    that some other rank drew as well: 0 for disjoint shards, 1 when every rank draws the same samples."""
+    if len(samples_per_rank) < 2:
+        raise ValueError(f"duplicates need at least two ranks, got {len(samples_per_rank)}")
+    owners: Counter = Counter()
+    for samples in samples_per_rank:
+        owners.update(set(samples))
+    total = sum(len(samples) for samples in samples_per_rank)
+    if total == 0:
+        raise ValueError("no samples")
+    shared = sum(1 for samples in samples_per_rank for sample in samples if owners[sample] > 1)
+    return shared / total
+
+
+def reduction_order_gaps(per_sample: torch.Tensor, world_sizes: Sequence[int]) -> dict[int, float]:
+    """The mean of ``per_sample`` (``[samples, ...]``: per-sample gradients) computed as data parallelism does on
+    each world size ``W`` (each rank sums its contiguous share, the ranks' sums are added in rank order, then
+    divided): the largest absolute difference from the one-rank result, per ``W``.  Float32 arithmetic."""
+    samples = per_sample.shape[0]
+    bad = [w for w in world_sizes if isinstance(w, bool) or not isinstance(w, int) or w < 1 or samples % w]
+    if bad:
+        raise ValueError(f"world sizes {bad} do not divide the {samples} samples into equal shares")
+    values = per_sample.float()
+
+    def mean_over(world: int) -> torch.Tensor:
+        total = torch.zeros_like(values[0])
+        for share in values.split(samples // world):
+            partial = torch.zeros_like(values[0])
+            for row in share:  # a rank adds its samples one by one, as a gradient accumulates
+                partial = partial + row
+            total = total + partial
+        return total / samples
+
+    one = mean_over(1)
+    return {world: (mean_over(world) - one).abs().max().item() for world in world_sizes}
+
+
+def write_from_every_rank(path: str | os.PathLike, group: Any = None, size: int = 1 << 20,
+                          atomic: bool = False) -> dict[str, Any]:
+    """Collective, the mistake on purpose: every rank writes ``size`` bytes of its own rank number to ``path``
+    at the same moment (``atomic``: each to a temporary file, then renamed over ``path``).  Returns, on every
+    rank, which ranks' bytes the file holds (``{"ranks": {rank: bytes}, "size": bytes}``)."""
+    path = Path(path)
+    rank = torch_dist.get_rank(group)
+    payload = bytes([rank % 256]) * size
+    torch_dist.barrier(group=group)
+    if atomic:
+        temporary = path.with_name(f".{path.name}.{rank}.partial")
+        temporary.write_bytes(payload)
+        os.replace(temporary, path)
+    else:
+        with open(path, "r+b" if path.exists() else "wb") as handle:  # each rank writes over the same bytes
+            handle.write(payload)
+    torch_dist.barrier(group=group)
+    content = path.read_bytes()
+    counts = Counter(content)
+    torch_dist.barrier(group=group)  # nobody rewrites the file before every rank has read it
+    return {"ranks": {value: count for value, count in sorted(counts.items())}, "size": len(content)}
