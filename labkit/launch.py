@@ -28,10 +28,14 @@ How it works, and what it guarantees:
 - **Failure.** A rank that raises becomes :class:`RankFailed` in the caller, with the rank and its traceback;
   the other ranks are stopped.  Ranks that do not finish within ``timeout`` seconds (typically: stuck in a
   collective that not every rank called) become :class:`CollectiveTimeout`, naming the stuck ranks and the
-  line each was stuck on.  Either way no process of the launch is left alive.
+  line each was stuck on.  Either way no process of the launch is left alive.  With ``check_collectives=True``
+  each rank records the collectives it calls (:mod:`labkit.collective_log`, 10-20 µs a call: off by default, so
+  that timings stay comparable with PyTorch's); when the ranks disagree (a collective only some call, another
+  order, other shapes), the error opens with the first disagreement.
 - **torchrun.** When this process is already one rank of a job (``RANK``/``WORLD_SIZE`` set, or a default
   process group exists), ``launch`` runs ``fn`` in place and all-gathers the results, so notebook code runs
-  unchanged under ``torchrun --nproc_per_node=8``.
+  unchanged under ``torchrun --nproc_per_node=8`` (recording is then not armed: wrap ``fn``'s body in
+  ``collective_log.record_collectives`` for that).
 """
 
 from __future__ import annotations
@@ -51,14 +55,17 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from labkit import dist, worker
+from labkit import collective_check, dist, worker
 from labkit.worker import RankConfig, rank_main, send_quietly, to_cpu
 
 RANK_OUTPUT_MODES = ("live", "grouped", "none")
 
 
 class LaunchError(RuntimeError):
-    """Base class for a launch that did not complete on every rank."""
+    """Base class for a launch that did not complete on every rank.  ``.disagreement``: where the ranks' sequences
+    of collectives first differed (:class:`labkit.collective_check.Disagreement`), or ``None``."""
+
+    disagreement = None
 
 
 class RankFailed(LaunchError):
@@ -103,7 +110,8 @@ class CollectiveTimeout(LaunchError):
 
 
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 4, backend: str = "auto",
-           timeout: float | None = 60.0, rank_output: str = "live", **kwargs: Any) -> list[Any]:
+           timeout: float | None = 60.0, rank_output: str = "live", check_collectives: bool = False,
+           **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks and return the per-rank results (index = rank).
 
     Args:
@@ -114,6 +122,8 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 4, backend: str = "
             for ever.
         rank_output: ``"live"`` forwards each rank's printed lines as they come, prefixed ``[rank r]``;
             ``"grouped"`` prints them rank by rank when the run ends (reproducible order); ``"none"`` drops them.
+        check_collectives: record each rank's collectives (10-20 µs a call) to name, in a failure's message,
+            the first place where the ranks disagree (default off: timings stay comparable).  Not under torchrun.
 
     Raises:
         ValueError: bad arguments, before any process starts.
@@ -127,7 +137,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 4, backend: str = "
     start_method = _start_method(resolved, fn, args, kwargs)
     if start_method == "fork":
         prepare_to_fork()
-    return _Launcher(fn, args, kwargs, nprocs, resolved, timeout, rank_output, start_method).run()
+    return _Launcher(fn, args, kwargs, nprocs, resolved, timeout, rank_output, start_method, check_collectives).run()
 
 
 def prepare_to_fork() -> None:
@@ -204,10 +214,10 @@ def _start_method(backend: str, fn: Callable, args: tuple, kwargs: dict) -> str:
 
 
 class _Launcher:
-    def __init__(self, fn, args, kwargs, nprocs, backend, timeout, rank_output, start_method):
+    def __init__(self, fn, args, kwargs, nprocs, backend, timeout, rank_output, start_method, check_collectives):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.nprocs, self.backend, self.timeout = nprocs, backend, timeout
-        self.rank_output = rank_output
+        self.rank_output, self.check_collectives = rank_output, check_collectives
         self.context = mp.get_context(start_method)
         self.processes: list[Any] = []
         self.readers: dict[int, Any] = {}
@@ -223,7 +233,7 @@ class _Launcher:
             for rank in range(self.nprocs):
                 parent_end, child_end = self.context.Pipe(duplex=True)
                 config = RankConfig(rank, self.nprocs, self.backend, group_timeout, threads,
-                                     os.path.join(self.scratch, f"stack-{rank}.txt"), os.getpid())
+                                    os.path.join(self.scratch, f"stack-{rank}.txt"), os.getpid(), self._log(rank))
                 process = self.context.Process(target=rank_main, name=f"labkit-rank-{rank}",
                                                args=(config, self.fn, self.args, self.kwargs, child_end))
                 process.start()
@@ -243,6 +253,9 @@ class _Launcher:
                 os.unlink(os.path.join(self.scratch, name))
             os.rmdir(self.scratch)
 
+    def _log(self, rank: int) -> str | None:
+        return os.path.join(self.scratch, f"collectives-{rank}.jsonl") if self.check_collectives else None
+
     @property
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
@@ -260,7 +273,8 @@ class _Launcher:
             if deadline is not None and now >= deadline and not failures:
                 stuck = [rank for rank in range(self.nprocs) if rank not in finished]
                 stacks = self._stacks_of(stuck)
-                raise CollectiveTimeout(self.timeout, stuck, sorted(finished), stacks, self.pids)
+                error = CollectiveTimeout(self.timeout, stuck, sorted(finished), stacks, self.pids)
+                raise collective_check.explain(error, {rank: self._log(rank) for rank in range(self.nprocs)})
             limits = [limit - now for limit in (deadline, grace_end) if limit is not None]
             open_ranks = [rank for rank in range(self.nprocs) if rank not in finished and rank not in failures]
             sentinels = {self.processes[rank].sentinel: rank for rank in open_ranks}
@@ -284,7 +298,8 @@ class _Launcher:
         if failures:
             culprit = _root_cause(failures)
             others = sorted(set(failures) - {culprit})
-            raise RankFailed(culprit, failures[culprit][0], self.pids, others)
+            error = RankFailed(culprit, failures[culprit][0], self.pids, others)
+            raise collective_check.explain(error, {rank: self._log(rank) for rank in range(self.nprocs)}, failures)
         return results
 
     def _take(self, rank: int, results: list[Any], finished: set[int], failures: dict) -> None:
@@ -340,15 +355,8 @@ class _Launcher:
                 except ProcessLookupError:
                     pass
         time.sleep(0.5)
-        stacks = {}
-        for rank in ranks:
-            path = os.path.join(self.scratch, f"stack-{rank}.txt")
-            try:
-                with open(path) as handle:
-                    stacks[rank] = _format_faulthandler_dump(handle.read())
-            except OSError:
-                pass
-        return stacks
+        stacks = {rank: worker.read_stack_dump(os.path.join(self.scratch, f"stack-{rank}.txt")) for rank in ranks}
+        return {rank: stack for rank, stack in stacks.items() if stack is not None}
 
     def _stop_all(self, grace: float) -> None:
         """Let finished ranks exit cleanly; terminate, then kill, whatever is left.  Reap every process."""
@@ -405,15 +413,6 @@ def _describe_exit(exitcode: int | None) -> str:
             name = f"signal {-exitcode}"
         return f"the process was killed by {name} before it could report (exit code {exitcode})"
     return f"the process exited with code {exitcode} before returning a result"
-
-
-def _format_faulthandler_dump(text: str) -> str:
-    """faulthandler prints most recent call first; show it like a traceback, from the user's function on."""
-    frames = [line.strip() for line in reversed(text.splitlines()) if line.strip().startswith("File ")]
-    launcher = [index for index, frame in enumerate(frames) if frame.startswith(f'File "{worker.__file__}"')]
-    if launcher:
-        frames = frames[launcher[-1] + 1:]
-    return "\n".join(frames)
 
 
 def _indent(text: str, prefix: str = "    ") -> str:

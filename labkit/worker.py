@@ -1,7 +1,8 @@
 """What each rank forked by ``labkit.launch`` runs: the child side of the launcher.
 
 A rank redirects its output to the parent line by line, arms a stack dump on ``SIGUSR1`` (so the parent can show
-where a hung rank is stuck), asks the kernel to kill it if the parent dies, joins the rendezvous (rank 0 hosts the
+where a hung rank is stuck) and, unless told not to, records its collectives (so the parent can show where the
+ranks disagree), asks the kernel to kill it if the parent dies, joins the rendezvous (rank 0 hosts the
 store on a port the operating system picks and tells the parent, which tells the others), runs the user's
 function, and sends back its result or its traceback.  It then waits for the parent's word before leaving, so
 that no peer sees a connection break while it is still finishing.
@@ -9,6 +10,7 @@ that no peer sees a connection break while it is still finishing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -25,11 +27,14 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
+from labkit import collective_log
+
 
 class RankConfig:
-    def __init__(self, rank, world_size, backend, group_timeout, threads, stack_path, parent_pid):
+    def __init__(self, rank, world_size, backend, group_timeout, threads, stack_path, parent_pid, log_path=None):
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.group_timeout, self.threads, self.stack_path, self.parent_pid = group_timeout, threads, stack_path, parent_pid
+        self.log_path = log_path  # where this rank records its collectives (collective_log.py); None: it does not
 
 
 def rank_main(config: RankConfig, fn, args, kwargs, connection) -> None:
@@ -70,7 +75,9 @@ def rank_main(config: RankConfig, fn, args, kwargs, connection) -> None:
         os.environ["MASTER_PORT"] = str(port)
         torch_dist.init_process_group(config.backend, store=store, rank=config.rank,
                                       world_size=config.world_size, timeout=timeout)
-        result = fn(*args, **kwargs)
+        log_path = config.log_path
+        with collective_log.record_collectives(log_path) if log_path else contextlib.nullcontext():
+            result = fn(*args, **kwargs)
         try:
             payload = pickle.dumps(to_cpu(result))
         except Exception as error:
@@ -182,6 +189,22 @@ def _die_with_parent(parent_pid: int) -> None:
             return
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def read_stack_dump(path: str) -> str | None:
+    """The stack a rank dumped on ``SIGUSR1`` (``None``: no file), like a traceback: faulthandler prints the most
+    recent call first; show it last, from the user's function on."""
+    try:
+        with open(path) as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    frames = [line.strip() for line in reversed(text.splitlines())
+              if line.strip().startswith("File ") and collective_log.__file__ not in line]  # its wrapper: noise
+    launcher = [index for index, frame in enumerate(frames) if frame.startswith(f'File "{__file__}"')]
+    if launcher:
+        frames = frames[launcher[-1] + 1:]
+    return "\n".join(frames)
 
 
 def _format_remote_exception() -> str:
