@@ -13,6 +13,7 @@ import pytest
 
 from labkit import grading
 from labkit.grading import guard
+from labkit.grading.checkers import checkpointing as checkpointing_checks
 from labkit.grading.checkers import collectives as collectives_checks
 from labkit.grading.checkers import data_parallel as data_parallel_checks
 from labkit.grading.checkers import lr_scaling as lr_scaling_checks
@@ -426,3 +427,67 @@ print(round(time.monotonic() - start, 1), result.message)
     seconds, _, message = done.stdout.strip().partition(" ")
     assert done.returncode == 0 and float(seconds) < 30 and "not implemented yet" in message, (done.stdout,
                                                                                                done.stderr[-2000:])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exercise 09: saving and resuming a data-parallel run
+
+
+def test_the_guard_refuses_labkits_and_torchs_checkpointing_but_leaves_labkits_ddp_working():
+    import signal
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import labkit.checkpoint
+    import labkit.checkpoint_files
+    from labkit.parallel.ddp import DistributedDataParallel
+
+    code = dcp.save.__code__
+    library = guard.LABKIT_IMPLEMENTATIONS + checkpointing_checks.BUILT_INS
+    with guard.forbid(library=library, allow=checkpointing_checks.CHECKER_TOOLS):
+        for call in (lambda: labkit.checkpoint.save("x", None, None, 0), lambda: labkit.checkpoint.load("x", None, None),
+                     lambda: labkit.checkpoint_files.set_rng_state({})):
+            with pytest.raises(guard.Forbidden, match="labkit's own implementation"):
+                call()
+        for call in (lambda: dcp.save({}, checkpoint_id="x"), lambda: dcp.load({}, checkpoint_id="x")):
+            with pytest.raises(guard.Forbidden, match="a built-in: this exercise asks you to write it yourself"):
+                call()
+        assert DistributedDataParallel.__init__.__code__.co_name != "refused"  # the checks train under it
+        assert signal.Signals(9) is signal.SIGKILL  # enums whole: DCP's modules are not swapped wholesale
+        assert torch.get_rng_state().dtype == torch.uint8
+    assert dcp.save.__code__ is code
+
+
+@pytest.mark.parametrize("name, check, hints", [
+    ("checkpointing_forgets_rng", 0, ["2 ranks, saved after step 3 and resumed in new processes: from step 4 on, "
+                                      "rank 0's loss is", "torch's RNG state (torch.get_rng_state()) is not the one "
+                                      "this rank had when it saved", "torch.set_rng_state"]),
+    ("checkpointing_forgets_sampler", 0, ["from step 4 on, rank 0's loss", "the sampler position was not restored",
+                                          "generator.set_state"]),
+    ("checkpointing_saves_only_rank_zero_rng", 0, ["from step 4 on, rank 1's loss", "it holds rank 0's"]),
+    ("checkpointing_saves_only_rank_zero_rng", 2, ["the file holds the torch RNG state (torch.get_rng_state()) of "
+                                                   "rank(s) [0] only, not that of rank(s) [1, 2]"]),
+    ("checkpointing_forgets_sampler", 2, ["the file holds no rank's sampler generator state"]),
+    ("checkpointing_saves_from_every_rank", 1, ["rank 1 wrote checkpoint.pt during save_checkpoint",
+                                                "rank 0 alone writes"]),
+    ("checkpointing_no_barrier", 1, ["the moment save_checkpoint returned on rank 1, torch.load(path) there found no "
+                                     "file at path", "dist.barrier()"]),
+    ("checkpointing_copies_the_tmp_file", 1, ["left checkpoint.pt.tmp beside the checkpoint", "os.replace"]),
+    ("checkpointing_labkit_checkpoint", 0, ["rank 0 used labkit.checkpoint.save, labkit's own implementation"]),
+    ("checkpointing_dcp", 1, ["used torch.distributed.checkpoint.state_dict_saver.save, a built-in"]),
+])
+def test_the_checkpointing_hints_say_what_went_wrong_in_the_students_terms(name, check, hints, tmp_path):
+    result = grading.run_check(checkpointing_checks.CHECKS[check], BY_NAME[name].write(tmp_path / name))
+    assert not result.passed and all(hint in result.message for hint in hints), result.message
+
+
+def test_a_checkpoint_of_pickled_objects_is_refused_with_weights_only(tmp_path):
+    solution = (REPO / "solutions" / "09_checkpointing.py").read_text()
+    old = '"ranks": ranks, "step": step}'
+    assert solution.count(old) == 1
+    path = tmp_path / "09_checkpointing.py"
+    path.write_text(solution.replace(old, '"ranks": ranks, "step": step, "when": __import__("datetime").date(2026, 1, 1)}'))
+    result = grading.run_check(checkpointing_checks.check_writes, path)
+    assert not result.passed and "torch.load(path, weights_only=True) refuses your checkpoint" in result.message, \
+        result.message

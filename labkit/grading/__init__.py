@@ -54,6 +54,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                           "Pipeline parallelism: the 1F1B order of one rank"),
     "parameter_server": ("08_parameter_server.py", "labkit.grading.checkers.parameter_server",
                          "A parameter server: the rule for applying gradients under bounded staleness"),
+    "checkpointing": ("09_checkpointing.py", "labkit.grading.checkers.checkpointing",
+                      "Checkpointing: save a data-parallel run on rank 0 and resume it bit for bit"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0

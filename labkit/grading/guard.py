@@ -61,6 +61,8 @@ LABKIT_IMPLEMENTATIONS = (
     # 06: tensor parallelism's f and g and its split layers; 07: the 1F1B schedule; 08: the server's rule (Gate)
     "labkit.lr",  # 03: the global batch, the linear rule, warmup and decay
     "labkit.precision",  # 04: the dynamic loss scaler
+    "labkit.checkpoint",  # 09: saving and resuming a run (rank 0 writes, every rank's RNG and sampler states)
+    "labkit.checkpoint_files",  # 09: the atomic write and the RNG state helpers
 )
 
 # Collective functions and methods, by name: torch.distributed's all_reduce, all_gather_into_tensor,
