@@ -90,10 +90,10 @@ def first_disagreement(logs: dict[int, list[Entry]], failed: Iterable[int] = ())
                 members[entry.group] = entry.ranks
                 collectives[entry.group][rank][entry.seq] = entry
     found = []
-    for group, ranks in members.items():
+    for group, ranks in sorted(members.items(), key=repr):
         if set(ranks) <= logs.keys():
             found.extend(_first_collective_difference(ranks, collectives[group], failed))
-    for channel in sends.keys() | receives.keys():
+    for channel in sorted(sends.keys() | receives.keys(), key=repr):  # sorted: ties go the same way every run
         group, source, destination, _tag = channel
         if {source, destination} <= logs.keys() and (group, destination) not in any_source:
             found.extend(_first_message_difference(channel, sends[channel], receives[channel], failed))
