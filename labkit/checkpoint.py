@@ -100,8 +100,9 @@ def _gather_objects(value: Any, group: Any) -> list[Any]:
     return everyone
 
 
-def _per_rank(generators: Mapping[str, torch.Generator] | None) -> dict[str, Any]:
-    return {"rng": rng_state(), "generators": {name: g.get_state() for name, g in (generators or {}).items()}}
+def _per_rank(model: Any, generators: Mapping[str, torch.Generator] | None) -> dict[str, Any]:
+    return {"rng": rng_state(), "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+            "wrapper": {name: state.cpu() for name, state in model.random_states().items()}}
 
 
 def _shapes(model_state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -142,28 +143,29 @@ def save(path: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, 
         manifest["model"] = _shapes(model_state)
         shared.update(model={k: v.detach().cpu() for k, v in model_state.items()},
                       optimizer=model.full_optimizer_state_dict(optimizer), ranks=_gather_objects(
-                          _per_rank(generators), group))
+                          _per_rank(model, generators), group))
         if rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             manifest["files"][STATE] = write_atomically(path / STATE, serialise(shared))
     else:
         common, _ = _split_optimizer(optimizer.state_dict())
-        pieces = model.sharded_state(optimizer)  # key -> (flat piece, whole shape, first element)
+        pieces = model.sharded_state(optimizer)  # key -> (piece, whole shape, first element, dimension)
         path.mkdir(parents=True, exist_ok=True)
         name = shard_file(rank, world)
         written = write_atomically(path / name, serialise(
-            {"pieces": {key: piece.detach().cpu().reshape(-1) for key, (piece, _, _) in pieces.items()},
-             "rank": _per_rank(generators)}))
-        table = {key: (list(shape), str(piece.dtype).removeprefix("torch."), begin, begin + piece.numel())
-                 for key, (piece, shape, begin) in pieces.items()}
+            {"pieces": {key: piece.detach().cpu().movedim(dim, 0).reshape(-1)
+                        for key, (piece, _, _, dim) in pieces.items()},
+             "rank": _per_rank(model, generators)}))
+        table = {key: (list(shape), str(piece.dtype).removeprefix("torch."), begin, begin + piece.numel(), dim)
+                 for key, (piece, shape, begin, dim) in pieces.items()}
         everyone = _gather_objects((name, written, table), group)
         if rank == 0:
             tensors: dict[str, Any] = {}
             for file, digest, entries in everyone:
                 manifest["files"][file] = digest
-                for key, (shape, dtype, begin, end) in entries.items():
-                    tensors.setdefault(key, {"shape": shape, "dtype": dtype, "pieces": []})["pieces"].append(
-                        [file, begin, end])
+                for key, (shape, dtype, begin, end, dim) in entries.items():
+                    tensors.setdefault(key, {"shape": shape, "dtype": dtype, "dim": dim, "pieces": []})[
+                        "pieces"].append([file, begin, end])
             manifest["tensors"] = tensors
             manifest["model"] = {key[len("model/"):]: {"shape": info["shape"], "dtype": info["dtype"]}
                                  for key, info in tensors.items() if key.startswith("model/")}
@@ -200,7 +202,9 @@ def _assemble(path: Path, manifest: Mapping[str, Any]) -> tuple[dict[str, torch.
             covered += end - begin
         if covered != numel:
             raise CheckpointError(f"{path / MANIFEST}: {key}'s pieces cover {covered} of its {numel} elements")
-        whole[key] = flat.view(info["shape"])
+        dim = info.get("dim", 0)  # the pieces' elements are counted with this dimension moved first
+        moved = [info["shape"][dim], *info["shape"][:dim], *info["shape"][dim + 1:]]
+        whole[key] = flat.view(moved).movedim(0, dim).contiguous()
     return whole, {name: shard["rank"] for name, shard in shards.items()}
 
 
@@ -246,6 +250,7 @@ def load(path: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, 
                 raise CheckpointError(f"{path}: no generator {name!r} (saved: {sorted(mine['generators'])})")
             generator.set_state(mine["generators"][name])
         set_rng_state(mine["rng"])
+        model.load_random_states(mine.get("wrapper", {}))
     return Resumed(state["step"], state["extra"], resharded=mine is None)
 
 

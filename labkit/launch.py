@@ -72,10 +72,7 @@ class RankFailed(LaunchError):
     """A rank raised (or died).  ``.rank`` is its number, ``.remote_traceback`` its traceback as text."""
 
     def __init__(self, rank: int, remote_traceback: str, pids: list[int], also_failed: list[int] | None = None):
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-        self.pids = pids
-        self.also_failed = also_failed or []
+        self.rank, self.remote_traceback, self.pids, self.also_failed = rank, remote_traceback, pids, also_failed or []
         others = f" (rank(s) {self.also_failed} failed too)" if self.also_failed else ""
         body = _indent(remote_traceback.rstrip())
         super().__init__(f"rank {rank} failed{others}; the other ranks were stopped. Its traceback:\n{body}")
@@ -86,11 +83,8 @@ class CollectiveTimeout(LaunchError):
 
     def __init__(self, timeout: float, stuck_ranks: list[int], finished_ranks: list[int],
                  stacks: dict[int, str], pids: list[int]):
-        self.timeout = timeout
-        self.stuck_ranks = stuck_ranks
-        self.finished_ranks = finished_ranks
-        self.stacks = stacks
-        self.pids = pids
+        self.timeout, self.stuck_ranks, self.finished_ranks = timeout, stuck_ranks, finished_ranks
+        self.stacks, self.pids = stacks, pids
         lines = [
             f"rank(s) {stuck_ranks} did not finish within {timeout:g} s"
             + (f" (rank(s) {finished_ranks} had finished and were waiting)." if finished_ranks else "."),
@@ -179,7 +173,12 @@ def _run_in_place(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int
         chosen = dist.resolve_backend(backend, local_world)
         if chosen == "nccl":
             torch.cuda.set_device(dist.local_rank())
-        torch_dist.init_process_group(chosen, init_method="env://")
+        # One prefix per attempt: a restart (--max-restarts) reuses torchrun's store, where gloo could read a dead
+        # rank's address (pytorch/pytorch#135712); every rank of an attempt has the same restart count.
+        store, rank, world_size = next(torch_dist.rendezvous("env://"))
+        prefix = f"labkit/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        torch_dist.init_process_group(chosen, store=torch_dist.PrefixStore(prefix, store), rank=rank,
+                                      world_size=world_size)
         atexit.register(_destroy_group_at_exit)  # a live group at interpreter exit can abort the process
     if nprocs != dist.world_size() and dist.is_main():
         print(f"labkit.launch: running on the job's {dist.world_size()} ranks (nprocs={nprocs} ignored)")

@@ -28,9 +28,17 @@ from labkit.precision import DynamicLossScaler
 from tests.conftest import REPO
 
 TOTAL, HALF = 8, 4
+VOCAB = 30  # tensor parallelism over 4 ranks pads it to 32: the checkpoints must leave the padding out
 WRAPPERS = {"single": SingleProcess, "ddp": DistributedDataParallel,
             "zero1": lambda module: ZeroDataParallel(module, stage=1),
-            "zero2": lambda module: ZeroDataParallel(module, stage=2), "fsdp": FullyShardedDataParallel}
+            "zero2": lambda module: ZeroDataParallel(module, stage=2), "fsdp": FullyShardedDataParallel,
+            "tp": lambda module: parallelize_tensor(module, Mesh(tp=torch_dist.get_world_size()))}
+
+
+def _data_rank() -> tuple[int, int]:
+    """This rank's (rank, size) for data and dropout: every rank its own, except tensor parallelism's ranks,
+    which share one batch and one default generator."""
+    return (torch_dist.get_rank(), torch_dist.get_world_size()) if torch_dist.is_initialized() else (0, 1)
 
 
 def _train(strategy: str, steps: int, save_at: int | None = None, resume: str | None = None,
@@ -38,15 +46,15 @@ def _train(strategy: str, steps: int, save_at: int | None = None, resume: str | 
     """Train TinyGPT 100k with dropout, AdamW, warmup then cosine decay and a dynamic loss scaler whose scale
     grows every other step, each rank on its own batches; save at ``save_at``, or resume from ``resume``."""
     torch.set_num_threads(1)
-    rank, world = (torch_dist.get_rank(), torch_dist.get_world_size()) if torch_dist.is_initialized() else (0, 1)
-    torch.manual_seed(100 + rank)  # dropout's stream: different on every rank
-    config = GPTConfig.preset("100k", dropout=0.1)
+    rank, world = (0, 1) if strategy == "tp" else _data_rank()
+    torch.manual_seed(100 + rank)  # dropout's stream: different on every rank (tensor parallelism: its own)
+    config = GPTConfig.preset("100k", dropout=0.1, vocab_size=VOCAB)
     model = WRAPPERS[strategy](TinyGPT(config, seed=0))
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
     scheduler = warmup_then_decay(optimizer, total_steps=TOTAL, warmup_steps=3)
     scaler = DynamicLossScaler(init_scale=2.0 ** 8, growth_interval=2)
     generator = data.data_parallel_generator(0, rank, world)
-    tokens = data.MarkovChain().sample(5_000, seed=0)
+    tokens = data.MarkovChain(vocab_size=config.vocab_size).sample(5_000, seed=0)
     start = 0
     if resume is not None:
         start = checkpoint.load(resume, model, optimizer, scheduler=scheduler, scaler=scaler,
@@ -70,8 +78,8 @@ def _train(strategy: str, steps: int, save_at: int | None = None, resume: str | 
 
 @pytest.mark.parametrize("strategy, ranks, layout", [
     ("single", 1, "full"), ("ddp", 2, "full"), ("zero1", 2, "full"), ("zero2", 2, "full"), ("fsdp", 2, "full"),
-    ("fsdp", 3, "full"), ("single", 1, "sharded"), ("ddp", 2, "sharded"), ("zero1", 2, "sharded"),
-    ("fsdp", 3, "sharded")])
+    ("fsdp", 3, "full"), ("tp", 2, "full"), ("single", 1, "sharded"), ("ddp", 2, "sharded"),
+    ("zero1", 2, "sharded"), ("fsdp", 3, "sharded"), ("tp", 4, "sharded")])
 def test_a_resumed_run_is_bit_identical_to_one_that_never_stopped(strategy, ranks, layout, tmp_path):
     straight = launch(_train, strategy, TOTAL, nprocs=ranks, rank_output="none")
     first = launch(_train, strategy, HALF, HALF, None, str(tmp_path), layout, nprocs=ranks, rank_output="none")
@@ -83,7 +91,8 @@ def test_a_resumed_run_is_bit_identical_to_one_that_never_stopped(strategy, rank
         assert resumed[rank][0] == straight[rank][0][HALF:], (strategy, rank)  # floats: bit for bit
         for name, tensor in straight[rank][1].items():
             assert torch.equal(resumed[rank][1][name], tensor), (strategy, rank, name)
-    assert len({tuple(losses) for losses, _ in straight}) == ranks  # each rank trained on its own batches
+    distinct = 1 if strategy == "tp" else ranks  # each rank trained on its own batches (tp: the ranks' one)
+    assert len({tuple(losses) for losses, _ in straight}) == distinct
 
 
 def _forget(what: str, strategy: str, directory: str) -> list[float]:
@@ -156,22 +165,15 @@ def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensor(tmp_pa
         _single_load(tmp_path / "small", preset="1m")
 
 
-def test_a_full_checkpoint_refuses_another_world_size_and_an_unsupported_wrapper_says_so(tmp_path):
+def test_a_full_checkpoint_refuses_another_world_size(tmp_path):
     _single_save(tmp_path / "one")
     with pytest.raises(RankFailed, match="saved on 1 rank"):
         launch(_load_on_two, str(tmp_path / "one"), nprocs=2, rank_output="none")
-    with pytest.raises(RankFailed, match="TensorParallel keeps per-rank shards of the optimizer state"):
-        launch(_save_tensor_parallel, str(tmp_path / "tp"), nprocs=2, rank_output="none")
 
 
 def _load_on_two(directory: str) -> None:
     model = DistributedDataParallel(TinyGPT(GPTConfig.preset("100k"), seed=0))
     checkpoint.load(directory, model, model.make_optimizer(torch.optim.AdamW, lr=1e-3))
-
-
-def _save_tensor_parallel(directory: str) -> None:
-    model = parallelize_tensor(TinyGPT(GPTConfig.preset("100k"), seed=0), Mesh(tp=2))
-    checkpoint.save(directory, model, model.make_optimizer(torch.optim.AdamW, lr=1e-3), 1)
 
 
 def test_bad_steps_are_refused_before_anything_is_written(tmp_path):
@@ -267,7 +269,7 @@ FIXED = 123  # the generator seed of the batch every rank evaluates
 
 
 def _loss_on_fixed_batch(model, config) -> float:
-    tokens = data.MarkovChain().sample(5_000, seed=1)
+    tokens = data.MarkovChain(vocab_size=VOCAB).sample(5_000, seed=1)
     inputs, targets = data.batches(tokens, 4, config.block_size, torch.Generator().manual_seed(FIXED))
     return model(inputs, targets)[1].item()
 
@@ -276,13 +278,13 @@ def _reshard(strategy: str, directory: str, save: bool) -> tuple[dict[str, torch
     """On this world size: train 3 steps and save sharded (``save``), or load; then the full weights, the loss
     of a fixed batch, and that loss after one more step on it (every rank the same batch)."""
     torch.set_num_threads(1)
-    config = GPTConfig.preset("100k")
+    config = GPTConfig.preset("100k", vocab_size=VOCAB)
     model = WRAPPERS[strategy](TinyGPT(config, seed=0))
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=3e-3)
     resharded = False
     if save:
-        generator = torch.Generator().manual_seed(torch_dist.get_rank())
-        tokens = data.MarkovChain().sample(5_000, seed=0)
+        generator = torch.Generator().manual_seed(0 if strategy == "tp" else torch_dist.get_rank())
+        tokens = data.MarkovChain(vocab_size=VOCAB).sample(5_000, seed=0)
         for _ in range(3):
             optimizer.zero_grad()
             model(*data.batches(tokens, 4, config.block_size, generator))[1].backward()
@@ -293,27 +295,37 @@ def _reshard(strategy: str, directory: str, save: bool) -> tuple[dict[str, torch
     weights = {name: tensor.clone() for name, tensor in model.full_state_dict().items()}
     before = _loss_on_fixed_batch(model, config)
     optimizer.zero_grad()
-    tokens = data.MarkovChain().sample(5_000, seed=1)
+    tokens = data.MarkovChain(vocab_size=VOCAB).sample(5_000, seed=1)
     model(*data.batches(tokens, 4, config.block_size, torch.Generator().manual_seed(FIXED)))[1].backward()
     optimizer.step()
     return weights, before, _loss_on_fixed_batch(model, config), resharded
 
 
 @pytest.mark.parametrize("strategy, saved_on, loaded_on", [("fsdp", 4, 2), ("fsdp", 2, 4), ("zero1", 4, 2),
-                                                           ("zero2", 2, 3)])
+                                                           ("zero2", 2, 3), ("tp", 4, 2), ("tp", 2, 1)])
 def test_a_sharded_checkpoint_reshards_to_another_number_of_ranks(strategy, saved_on, loaded_on, tmp_path):
     saved = launch(_reshard, strategy, str(tmp_path), True, nprocs=saved_on, rank_output="none")[0]
     manifest = checkpoint.read_manifest(tmp_path)
     assert sum(name.startswith("shard-") for name in manifest["files"]) == saved_on
+    if strategy == "tp":  # each rank wrote its slices: a row-parallel weight's columns, the vocabulary's rows
+        projection, table = (manifest["tensors"][f"model/{name}"] for name in ("blocks.0.mlp.proj.weight",
+                                                                                "token_embedding.weight"))
+        assert projection["dim"] == 1 and len(projection["pieces"]) == saved_on
+        rows = -(-VOCAB // saved_on)  # per rank, the vocabulary padded to a multiple of the ranks
+        expected = [min(rows, VOCAB - rank * rows) * 48 for rank in range(saved_on)]  # the padding left out
+        assert table["dim"] == 0 and [end - begin for _, begin, end in table["pieces"]] == expected
     loaded = launch(_reshard, strategy, str(tmp_path), False, nprocs=loaded_on, rank_output="none")
     if strategy == "fsdp" and saved_on == 4:  # a shard file lost: an error naming it, on every rank
         (tmp_path / checkpoint.shard_file(2, 4)).rename(tmp_path / "elsewhere.pt")
         with pytest.raises(RankFailed, match=r"shard-00002-of-00004\.pt: missing"):
             launch(_reshard, strategy, str(tmp_path), False, nprocs=loaded_on, rank_output="none")
+    # Tensor parallelism over another number of ranks sums its partial products in another order: the same
+    # loss to rounding, where the data-parallel wrappers compute it on one rank, bit for bit.
+    same_loss = pytest.approx(saved[1], rel=1e-6) if strategy == "tp" else saved[1]
     for weights, before, after, resharded in loaded:
         assert resharded
         assert all(torch.equal(weights[name], tensor) for name, tensor in saved[0].items())  # the same weights
-        assert before == saved[1]  # the same loss
+        assert before == same_loss  # the same loss
         assert after == pytest.approx(saved[2], rel=1e-6)  # and the same next step (Adam's moments resharded)
 
 

@@ -80,7 +80,10 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint_and_ends_where
         return completed.stdout
 
     unbroken, broken = run(tmp_path / "a", kill=False), run(tmp_path / "b", kill=True)
-    assert "resumed from" not in unbroken and "resumed from" in broken and "step-00000006 at step 6" in broken
+    assert "resumed from" not in unbroken and "step-00000006 at step 6" in broken
+    # One restart is enough: the restarted ranks meet under a prefix of their own in torchrun's store, not at the
+    # dead attempt's addresses (which used to fail the first restart now and then with "Connection refused").
+    assert broken.count("resumed from") == 1, broken
     final = [line for line in (unbroken + "\n" + broken).splitlines() if line.startswith("done: final loss")]
     assert len(final) == 2 and final[0] == final[1].replace(final[1].split(";")[1], final[0].split(";")[1]), final
 

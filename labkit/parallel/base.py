@@ -60,6 +60,8 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 # --------------------------------------------------------------------------------------------------------
 # The contract
 
+Piece = tuple[torch.Tensor, list[int], int, int]  # a sharded checkpoint's piece: see sharded_state
+
 
 class ParallelWrapper(nn.Module):
     """Base class of every parallel wrapper: the contract above, its shared state and its defaults.
@@ -215,15 +217,28 @@ class ParallelWrapper(nn.Module):
             raise NotImplementedError(f"{type(self).__name__}: loading a full optimizer state is not written yet")
         optimizer.load_state_dict(state)
 
-    def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, tuple[torch.Tensor, list[int], int]]:
+    def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
         """For a sharded checkpoint, ``{"model/NAME" or "optimizer/POSITION/STATE": (this rank's piece, the whole
-        shape, the piece's first element, flattened)}``; default: replicated states, whole, on the first rank."""
+        shape, its first element, the dimension it is cut along)}``: the piece holds the flat elements
+        ``begin .. begin + piece.numel()`` of the whole tensor with ``dim`` moved first
+        (``whole.movedim(dim, 0).flatten()``; with ``dim = 0``, of the whole tensor itself, FSDP's rows);
+        default: replicated states, whole, on the first rank."""
         model, optimizer_state = self.full_state_dict(), self.full_optimizer_state_dict(optimizer)
-        pieces = {f"model/{name}": (tensor, list(tensor.shape), 0) for name, tensor in model.items()}
-        pieces.update((f"optimizer/{position}/{key}", (value, list(value.shape), 0))
+        pieces = {f"model/{name}": (tensor, list(tensor.shape), 0, 0) for name, tensor in model.items()}
+        pieces.update((f"optimizer/{position}/{key}", (value, list(value.shape), 0, 0))
                       for position, entries in optimizer_state["state"].items() for key, value in entries.items()
                       if torch.is_tensor(value) and value.dim() > 0)
         return pieces if self.rank == 0 else {}
+
+    def random_states(self) -> dict[str, torch.Tensor]:
+        """Random-generator states this wrapper keeps on each rank besides the global ones (a checkpoint saves
+        them per rank; tensor parallelism's dropout generator); default: none."""
+        return {}
+
+    def load_random_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`random_states` returned on this rank."""
+        if states:
+            raise ValueError(f"{type(self).__name__} keeps no random states, got {sorted(states)}")
 
     _optimizer_state_sharded = False  # True: a plain optimizer over per-rank slices, no gather written yet
 

@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from labkit.parallel import fsdp_state
 from labkit.parallel.base import (
     ParallelWrapper,
+    Piece,
     ShardLayout,
     add_shard_gradients,
     all_gather_tensor,
@@ -347,7 +348,7 @@ class FullyShardedDataParallel(ParallelWrapper):
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         fsdp_state.load_full_optimizer_state_dict(self, optimizer, state)
 
-    def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, tuple[torch.Tensor, list[int], int]]:
+    def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
         return fsdp_state.sharded_state(self, optimizer)
 
     def unsharded_bytes(self) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from labkit.parallel.base import all_gather_tensor
+from labkit.parallel.base import Piece, all_gather_tensor
 
 
 def _flats(model: Any) -> list[Any]:
@@ -121,22 +121,22 @@ def load_full_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer,
 
 
 @torch.no_grad()
-def sharded_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, tuple[torch.Tensor, list[int], int]]:
+def sharded_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
     """This rank's pieces for a sharded checkpoint (the contract's ``sharded_state``): its rows of every parameter
     (under each of its names: a tied weight appears twice) and of every per-element optimizer state, no
     communication; the buffers whole, on the first rank."""
-    pieces: dict[str, tuple[torch.Tensor, list[int], int]] = {}
+    pieces: dict[str, Piece] = {}
     for flat in _flats(model):
         for index, (piece, names) in enumerate(zip(flat.pieces, flat.names, strict=True)):
             begin = flat.layout.local_rows(index)[0] * flat.layout.row_numel[index]
-            pieces.update((f"model/{name}", (piece.detach(), list(flat.layout.shapes[index]), begin))
+            pieces.update((f"model/{name}", (piece.detach(), list(flat.layout.shapes[index]), begin, 0))
                           for name in names)
     for position, (flat, index) in enumerate(_piece_places(model, optimizer)):
         begin = flat.layout.local_rows(index)[0] * flat.layout.row_numel[index]
-        pieces.update((f"optimizer/{position}/{key}", (value, list(flat.layout.shapes[index]), begin))
+        pieces.update((f"optimizer/{position}/{key}", (value, list(flat.layout.shapes[index]), begin, 0))
                       for key, value in optimizer.state.get(flat.pieces[index], {}).items()
                       if torch.is_tensor(value) and value.dim() > 0)
     if model.rank == 0:
-        pieces.update((f"model/{name}", (buffer.detach(), list(buffer.shape), 0))
+        pieces.update((f"model/{name}", (buffer.detach(), list(buffer.shape), 0, 0))
                       for name, buffer in model.module.named_buffers() if name in model.module.state_dict())
     return pieces

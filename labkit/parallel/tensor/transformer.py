@@ -40,7 +40,8 @@ from torch import nn
 from labkit.costmodel.tensor_parallel import Collective, tensor_parallel_collectives, total_bytes
 from labkit.mesh import Mesh
 from labkit.models import TinyGPT
-from labkit.parallel.base import ParallelWrapper, queue_end_of_backward
+from labkit.parallel.base import ParallelWrapper, Piece, queue_end_of_backward
+from labkit.parallel.tensor import state as tensor_state
 from labkit.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -294,13 +295,30 @@ class TensorParallel(ParallelWrapper):
         dist.all_gather(pieces, tensor.contiguous(), group=self.group)
         return torch.cat(pieces, dim=dim).narrow(dim, 0, size).clone()
 
-    _optimizer_state_sharded = True  # each rank's optimizer steps its own slices (checkpoints: lesson 09)
-
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the dense ``TinyGPT``'s ``state_dict()`` (shards gathered, vocabulary padding dropped)."""
         return {name: self._gather(name, tensor) if name in self._split else tensor.clone()
                 for name, tensor in self.module.state_dict().items()}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        tensor_state.load_full_state_dict(self, state)
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return tensor_state.full_optimizer_state_dict(self, optimizer)
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        tensor_state.load_full_optimizer_state_dict(self, optimizer, state)
+
+    def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
+        return tensor_state.sharded_state(self, optimizer)
+
+    def random_states(self) -> dict[str, torch.Tensor]:
+        """The split regions' dropout generator (one per rank), for a checkpoint."""
+        return {"tensor_parallel_dropout": self.rng.state.clone()}
+
+    def load_random_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.rng.state = states["tensor_parallel_dropout"].clone()
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
