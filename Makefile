@@ -21,13 +21,14 @@ lab: $(STAMP)  ## open the course in JupyterLab (prints the URL; never needs a b
 
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=300
 
-# Unit, distributed, grading and browser tests, then every notebook under nbval (solutions mode) twice: with this
-# CPU's own kernels, and with PyTorch's portable ones (ATEN_CPU_CAPABILITY=default), so that what a notebook
-# stores is what any learner's CPU reproduces.  oneDNN is held to AVX2 in that pass as well: a CPU without the
-# wide vector units has no AMX either (torch 2.14's bf16 attention otherwise packs for AMX, then refuses).
+# Unit, distributed, grading and browser tests and every notebook under nbval (solutions mode), in one pytest run
+# spread over $(WORKERS) processes, a test file each at a time, the longest first (tests/conftest.py; most tests
+# wait on ranks and sockets as much as they compute).  The notebooks are checked twice: by nbval with this CPU's own kernels, and by the browser test's Run
+# All with PyTorch's portable ones (ATEN_CPU_CAPABILITY=default), its outputs compared with the stored ones as nbval
+# does: what a notebook stores is what any learner's CPU reproduces.
+WORKERS ?= 2
 test: $(STAMP)  ## the whole suite (see README: Developing)
-	LABKIT_SOLUTIONS=1 $(BIN)/python -m pytest tests notebooks $(NBVAL) $(PYTEST_ARGS)
-	LABKIT_SOLUTIONS=1 ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest notebooks $(NBVAL) $(PYTEST_ARGS)
+	LABKIT_SOLUTIONS=1 $(BIN)/python -m pytest tests notebooks $(NBVAL) -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(STAMP)  ## benchmarks against PyTorch's built-ins, ratios printed
 	$(BIN)/labkit bench

@@ -115,7 +115,8 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 4, backend: str = "
         timeout: wall-clock seconds the whole run may take before :class:`CollectiveTimeout`; ``None`` waits
             for ever.
         rank_output: ``"live"`` forwards each rank's printed lines as they come, prefixed ``[rank r]``;
-            ``"grouped"`` prints them rank by rank when the run ends (reproducible order); ``"none"`` drops them.
+            ``"grouped"`` prints them rank by rank when the run ends (reproducible order); ``"none"`` drops them
+            and what C++ libraries write to the rank's stdout and stderr (gloo's messages when it aborts).
         check_collectives: record each rank's collectives (10-20 µs a call) to name, in a failure's message,
             the first place where the ranks disagree (default off: timings stay comparable).  Not under torchrun.
 
@@ -232,7 +233,8 @@ class _Launcher:
             for rank in range(self.nprocs):
                 parent_end, child_end = self.context.Pipe(duplex=True)
                 config = RankConfig(rank, self.nprocs, self.backend, group_timeout, threads,
-                                    os.path.join(self.scratch, f"stack-{rank}.txt"), os.getpid(), self._log(rank))
+                                    os.path.join(self.scratch, f"stack-{rank}.txt"), os.getpid(), self._log(rank),
+                                    quiet=self.rank_output == "none")
                 process = self.context.Process(target=rank_main, name=f"labkit-rank-{rank}",
                                                args=(config, self.fn, self.args, self.kwargs, child_end))
                 process.start()

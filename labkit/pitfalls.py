@@ -14,6 +14,10 @@
   write N times: the log is interleaved N-fold, and the file holds whichever rank's bytes landed last (or, with
   unequal sizes and no atomic rename, a mixture).  :func:`write_from_every_rank` does it on purpose and reports
   which ranks' bytes the file ends up holding.
+- **gloo is not NCCL.**  The same program meets different rules on each backend: NCCL moves only CUDA tensors
+  (one GPU per rank), gloo CPU tensors (and a few collectives of CUDA ones); each supports its own set of
+  collectives and reduction operations.  :func:`probe_collectives` tries each one on the group's backend, with
+  tensors on ``labkit.dist.device()``, and reports what it refused.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from labkit import dist
 from labkit.dist import global_rank
 
 
@@ -117,3 +122,53 @@ def write_from_every_rank(path: str | os.PathLike, group: Any = None, size: int 
     counts = Counter(content)
     torch_dist.barrier(group=group)  # nobody rewrites the file before every rank has read it
     return {"ranks": {value: count for value, count in sorted(counts.items())}, "size": len(content)}
+
+
+def probe_collectives(group: Any = None) -> dict[str, str | None]:
+    """Collective: try each collective (and the reduction operations beside ``SUM``) on ``group``'s backend
+    with 4-element float32 tensors on this rank's ``labkit.dist.device()``; ``{name: None}`` for what ran,
+    ``{name: "Error: message"}`` for what the backend refused (a refusal comes before any message is sent,
+    on every rank alike, so the ranks stay in step).  Needs at least two ranks."""
+    rank, world = torch_dist.get_rank(group), torch_dist.get_world_size(group)
+    if world < 2:
+        raise ValueError(f"probing collectives needs at least 2 ranks, the group has {world}")
+    first, second = global_rank(group, 0), global_rank(group, 1)
+    device = dist.device()
+
+    def ones(count: int = 1) -> torch.Tensor:
+        return torch.ones(4 * count, device=device)
+
+    def pieces() -> list[torch.Tensor]:
+        return [ones() for _ in range(world)]
+
+    def send_recv() -> None:
+        if rank == 0:
+            torch_dist.send(ones(), dst=second, group=group)
+        elif rank == 1:
+            torch_dist.recv(ones(), src=first, group=group)
+
+    probes = {
+        "send / recv": send_recv,
+        "broadcast": lambda: torch_dist.broadcast(ones(), src=first, group=group),
+        "all_reduce": lambda: torch_dist.all_reduce(ones(), group=group),
+        "reduce": lambda: torch_dist.reduce(ones(), dst=first, group=group),
+        "all_gather": lambda: torch_dist.all_gather(pieces(), ones(), group=group),
+        "gather": lambda: torch_dist.gather(ones(), pieces() if rank == 0 else None, dst=first, group=group),
+        "scatter": lambda: torch_dist.scatter(ones(), pieces() if rank == 0 else None, src=first, group=group),
+        "reduce_scatter": lambda: torch_dist.reduce_scatter(ones(), pieces(), group=group),
+        "all_to_all": lambda: torch_dist.all_to_all(pieces(), pieces(), group=group),
+        "barrier": lambda: torch_dist.barrier(group=group),
+    }
+    for name, op in (("AVG", torch_dist.ReduceOp.AVG), ("MAX", torch_dist.ReduceOp.MAX),
+                     ("PRODUCT", torch_dist.ReduceOp.PRODUCT)):
+        probes[f"all_reduce ({name})"] = lambda op=op: torch_dist.all_reduce(ones(), op=op, group=group)
+    probes["all_reduce (PREMUL_SUM)"] = lambda: torch_dist.all_reduce(
+        ones(), op=torch_dist._make_nccl_premul_sum(0.5), group=group)
+    found: dict[str, str | None] = {}
+    for name, probe in probes.items():
+        try:
+            probe()
+            found[name] = None
+        except (RuntimeError, ValueError, NotImplementedError) as error:
+            found[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+    return found

@@ -31,15 +31,21 @@ from labkit import collective_log
 
 
 class RankConfig:
-    def __init__(self, rank, world_size, backend, group_timeout, threads, stack_path, parent_pid, log_path=None):
+    def __init__(self, rank, world_size, backend, group_timeout, threads, stack_path, parent_pid, log_path=None,
+                 quiet=False):
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.group_timeout, self.threads, self.stack_path, self.parent_pid = group_timeout, threads, stack_path, parent_pid
         self.log_path = log_path  # where this rank records its collectives (collective_log.py); None: it does not
+        self.quiet = quiet  # rank_output="none": what C++ writes to the file descriptors (gloo's aborts) goes too
 
 
 def rank_main(config: RankConfig, fn, args, kwargs, connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C / kernel interrupts and stops us
     _die_with_parent(config.parent_pid)
+    if config.quiet:
+        silent = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(silent, 1)
+        os.dup2(silent, 2)
     sender = _Sender(connection)
     sys.stdout = _LineForwarder(sender, "stdout")
     sys.stderr = _LineForwarder(sender, "stderr")

@@ -8,7 +8,10 @@ touched) served by one JupyterLab on 127.0.0.1 whose kernels run the untouched e
   view or error output stored (the copies are trusted, as a notebook the learner saved is, so that stored
   outputs render in full);
 - **Run All** reaches the grading cell: every code cell has run (an execution count), the grading cell prints
-  "Score:", and no cell shows an error; a failure names the cell, its first line and the error;
+  "Score:", and no cell shows an error; a failure names the cell, its first line and the error.  The kernels
+  run PyTorch's portable kernels (``ATEN_CPU_CAPABILITY=default``) and every cell's outputs must equal the
+  stored ones as nbval compares them (``tests/notebook_outputs.py``): this is `make test`'s portable pass,
+  made in the learner's own mode (the untouched stubs, whose outputs are the stored ones);
 - **every explorer control** (slider, dropdown, checkbox, multi-select, toggle) is moved as a hand would move it
   (a slider is dragged) and its explorer's figure must change; after sliders dragged in quick succession the
   figure must be the one a fresh draw of the same controls gives (the last state wins, nothing stale); no
@@ -37,13 +40,18 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.notebook_outputs import output_differences
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Controls per notebook, over all its explorers (labkit.viz.widgets): update when a lesson adds an explorer.
 EXPECTED_CONTROLS = {"00_setup": 5, "01_collectives": 5, "02_data_parallel": 5, "03_batch_size_and_lr": 6,
                      "04_mixed_precision_and_memory": 2, "05_zero_and_fsdp": 8,
                      "06_tensor_parallel": 6, "07_pipeline_parallel": 7,
-                     "08_async_parameter_server": 7}
+                     "08_async_parameter_server": 7, "09_pitfalls_and_checkpointing": 7}
+# The kernels run PyTorch's portable kernels, with oneDNN held to AVX2 (a CPU without the wide vector units has
+# no AMX either; torch 2.14's bf16 attention otherwise packs for AMX, then refuses): nbval in `make test` checks
+# the stored outputs with this CPU's own kernels, Run All here with the kernels any CPU has.
+PORTABLE = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 SERVER_START_S = 180       # JupyterLab's first start on two busy cores
 OPEN_S = 180               # the notebook page loaded, rendered, and its kernel idle
 RUN_ALL_S = 900            # one notebook's Run All (a minute or less on an idle laptop)
@@ -77,6 +85,7 @@ JS_CELLS = """() => window.labkitPanel.content.widgets.map((cell, index) => {
             source: cell.model.sharedModel.getSource(),
             errors: outputs.filter(o => o.output_type === 'error').map(o => `${o.ename}: ${o.evalue}`),
             widgets: outputs.filter(o => o.data && o.data['application/vnd.jupyter.widget-view+json']).length,
+            outputs,
             text: (cell.node.querySelector('.jp-Cell-outputArea') || {innerText: ''}).innerText};
 })"""
 JS_RUN_ALL = """() => {
@@ -164,7 +173,7 @@ class Lab:
         self.environment = environment = {key: value for key, value in os.environ.items()
                                           if key != "LABKIT_SOLUTIONS"}
         environment.update(JUPYTER_CONFIG_DIR=str(root / "config"), JUPYTER_RUNTIME_DIR=str(root / "runtime"),
-                           JUPYTER_DATA_DIR=str(root / "data"), IPYTHONDIR=str(root / "ipython"))
+                           JUPYTER_DATA_DIR=str(root / "data"), IPYTHONDIR=str(root / "ipython"), **PORTABLE)
         self.trust(*(root / "notebooks").glob("*.ipynb"))
         command = [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser", "--ip=127.0.0.1",
                    f"--port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
@@ -311,6 +320,16 @@ def run_all(page) -> tuple[list[dict], list[str]]:
     return cells, problems + [f"after Run All: shows {phrase!r}" for phrase in widget_errors_in(page)]
 
 
+def differs_from_stored(notebook: Path, cells: list[dict]) -> list[str]:
+    """(b) Every checked cell's outputs after Run All equal the stored ones, as nbval compares them
+    (``tests/notebook_outputs.py``): what a learner reads before running is what running gives, on any CPU."""
+    import nbformat
+
+    stored = nbformat.read(notebook, as_version=4)["cells"]
+    return [f"Run All: {line}" for line in output_differences(stored, [cell["outputs"] for cell in cells],
+                                                               lambda index: describe(cells[index]))]
+
+
 def move(page, control) -> str:
     """Move one control as a hand would; return what was done."""
     classes = control.get_attribute("class") or ""
@@ -434,7 +453,7 @@ def test_notebook_in_the_browser(lab, page, notebook):
     try:
         problems += open_notebook(page, lab, f"notebooks/{notebook.name}")
         cells, found = run_all(page)
-        problems += found
+        problems += found + differs_from_stored(notebook, cells)
         moved, found = move_every_control(page, cells, shots)
         problems += found
         print(f"{notebook.name}: moved {len(moved)} controls: " + "; ".join(moved))
@@ -453,7 +472,7 @@ def test_notebook_in_the_browser(lab, page, notebook):
 
 def test_the_browser_checks_catch_what_a_learner_would_see_broken(lab, page):
     """The checkers reject a notebook that shows each fault: a stored widget view without its model, a stored
-    error, a cell that raises (and so a grading cell never reached), an explorer whose figure ignores its
+    error, a stored output that running does not give, a cell that raises (and so a grading cell never reached), an explorer whose figure ignores its
     slider, one whose figure lags behind its controls, a description cut short, and an error in the browser
     console."""
     import nbformat
@@ -484,6 +503,10 @@ def test_the_browser_checks_catch_what_a_learner_would_see_broken(lab, page):
                  "choice.observe(draw, names='value')\n"
                  "draw()\n"
                  "ipywidgets.VBox([ranks, choice, lagging])"),
+             nbformat.v4.new_code_cell("import torch\nprint(torch.backends.cpu.get_cpu_capability())", outputs=[
+                 nbformat.v4.new_output("stream", name="stdout", text="DEFAULT\n")]),  # the portable kernels
+             nbformat.v4.new_code_cell("print(1 + 1)", outputs=[nbformat.v4.new_output(
+                 "stream", name="stdout", text="3\n")]),  # an output the notebook stores, and running does not give
              nbformat.v4.new_code_cell("1 / 0"),
              nbformat.v4.new_code_cell("from labkit import grading\ngrading.check('setup')")]
     (lab.root / "checks").mkdir(exist_ok=True)
@@ -493,14 +516,18 @@ def test_the_browser_checks_catch_what_a_learner_would_see_broken(lab, page):
 
     before = open_notebook(page, lab, "checks/broken.ipynb")
     cells, after = run_all(page)
+    after += differs_from_stored(lab.root / "checks" / "broken.ipynb", cells)
     moved, explorers = move_every_control(page, cells, lab.artifacts / "checks-broken")
     found = "\n".join(before + after + explorers + page.console_errors)
     for expected in ("before running: shows 'Error displaying widget'", "before running: stored widget view in cell 0",
                      "before running: stored error in cell 0",
-                     "ValueError: stored", "Run All: error in cell 3 (In [4]: '1 / 0'): ZeroDivisionError",
-                     "Run All: cell 4 (In [ ]: 'from labkit import grading') never ran",
+                     "ValueError: stored", "Run All: error in cell 5 (In [6]: '1 / 0'): ZeroDivisionError",
+                     "Run All: cell 6 (In [ ]: 'from labkit import grading') never ran",
+                     "Run All: cell 4 (In [5]: 'print(1 + 1)'): outputs differ from the stored ones: stdout: line 1 "
+                     "is '2', where the notebook stores '3'",
                      "shows no 'Score:'", "cut short: label \"a description far too long to show\"",
                      "dragged slider 'a description far too long to show', but its figure did not change",
                      "in quick succession the figure was stale", "labkit: a console error"):
         assert expected in found, f"the checks missed {expected!r}; they found:\n{found}"
+    assert "cell 3 (" not in found, found  # the kernels run PyTorch's portable kernels, as the cell stores
     assert len(moved) == 3

@@ -196,7 +196,8 @@ def _timed(m: int, forward_s: float) -> dict:
 
 
 def test_timed_stages_hold_every_schedules_bubble_to_its_formula():
-    found = launch(_timed, 4, 0.02, nprocs=4, timeout=120, rank_output="none")[0]
+    # F = 50 ms: long enough for a machine busy with other tests to add only a point or two of overhead.
+    found = launch(_timed, 4, 0.05, nprocs=4, timeout=120, rank_output="none")[0]
     for name, (measured, formula) in found.items():
         assert abs(measured - formula) <= 0.05, f"{name}: measured {measured:.3f}, formula {formula:.3f}"
     assert found["ZB-H1"][0] < found["1F1B"][0] - 0.05, "ZB-H1 fills the cool-down that 1F1B leaves idle"

@@ -23,9 +23,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit.launch import launch
 from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
-from labkit.parallel.base import ParallelWrapper, ShardLayout
+from labkit.parallel.base import ParallelWrapper
 from labkit.parallel.ddp import DistributedDataParallel
 from labkit.parallel.fsdp import FullyShardedDataParallel
+from labkit.parallel.shard_layout import ShardLayout
 from labkit.parallel.zero import ShardedOptimizer, ZeroDataParallel
 
 ATOL = 1e-5

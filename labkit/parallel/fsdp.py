@@ -51,14 +51,13 @@ from labkit.parallel import fsdp_state
 from labkit.parallel.base import (
     ParallelWrapper,
     Piece,
-    ShardLayout,
-    add_shard_gradients,
     all_gather_tensor,
     broadcast_from_first_rank,
     check_same_model,
     queue_end_of_backward,
     reduce_scatter_tensor,
 )
+from labkit.parallel.shard_layout import ShardLayout, add_shard_gradients
 
 
 class _FlatParameter:

@@ -54,8 +54,6 @@ from labkit.dist import global_rank, require_group
 from labkit.measure import model_state_bytes
 from labkit.parallel.base import (
     ParallelWrapper,
-    ShardLayout,
-    add_shard_gradients,
     all_gather_tensor,
     broadcast_from_first_rank,
     by_dtype,
@@ -65,6 +63,7 @@ from labkit.parallel.base import (
     reduce_scatter_tensor,
 )
 from labkit.parallel.ddp import DistributedDataParallel, MiB, assign_buckets
+from labkit.parallel.shard_layout import ShardLayout, add_shard_gradients
 
 
 @dataclass
