@@ -257,6 +257,17 @@ class SingleProcess(ParallelWrapper):
         return self.module.state_dict()
 
 
+def per_optimizer_parameter(optimizer: torch.optim.Optimizer, where: dict[int, Any], model: str) -> list[Any]:
+    """For each parameter of ``optimizer``, in its groups' order (the positions of its ``state_dict``),
+    ``where[id(parameter)]``; a ``ValueError`` naming the positions of parameters that are not ``model``'s."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    strangers = [i for i, p in enumerate(params) if id(p) not in where]
+    if strangers:
+        raise ValueError(f"the optimizer's parameters {strangers} are not {model}'s: build it with "
+                         "model.make_optimizer(...)")
+    return [where[id(p)] for p in params]
+
+
 def check_optimizer_class(optimizer_cls: Any) -> None:
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW, not an "

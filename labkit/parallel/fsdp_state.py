@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from labkit.parallel.base import Piece, all_gather_tensor
+from labkit.parallel.base import Piece, all_gather_tensor, per_optimizer_parameter
 
 
 def _flats(model: Any) -> list[Any]:
@@ -50,12 +50,7 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
 def _piece_places(model: Any, optimizer: torch.optim.Optimizer) -> list[tuple[Any, int]]:
     """For each parameter of ``optimizer`` (in its groups' order), its flat parameter and index there."""
     where = {id(piece): (flat, index) for flat in _flats(model) for index, piece in enumerate(flat.pieces)}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    strangers = [i for i, p in enumerate(params) if id(p) not in where]
-    if strangers:
-        raise ValueError(f"the optimizer's parameters {strangers} are not this FSDP model's shards: build it with "
-                         "model.make_optimizer(...)")
-    return [where[id(p)] for p in params]
+    return per_optimizer_parameter(optimizer, where, "this FSDP model's shards")
 
 
 @torch.no_grad()

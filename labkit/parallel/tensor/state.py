@@ -24,18 +24,13 @@ from typing import Any
 
 import torch
 
-from labkit.parallel.base import Piece
+from labkit.parallel.base import Piece, per_optimizer_parameter
 
 
 def _names(model: Any, optimizer: torch.optim.Optimizer) -> list[str]:
     """For each parameter of ``optimizer`` (in its groups' order), its name in the model."""
     names = {id(p): name for name, p in model.module.named_parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    strangers = [i for i, p in enumerate(params) if id(p) not in names]
-    if strangers:
-        raise ValueError(f"the optimizer's parameters {strangers} are not this tensor-parallel model's: build it "
-                         "with model.make_optimizer(...)")
-    return [names[id(p)] for p in params]
+    return per_optimizer_parameter(optimizer, names, "this tensor-parallel model")
 
 
 def _per_element(value: Any) -> bool:
