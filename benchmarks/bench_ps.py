@@ -6,13 +6,13 @@ One server and 4 workers (5 gloo ranks, one thread each) train ``TinyMLP`` throu
 :func:`labkit.parallel.parameter_server.run_parameter_server`.  A gradient takes a millisecond or two, so the
 injected delays dominate and 5 ranks on 2 cores measure the schedule, not the cores.
 
-1. **Random delays** (every gradient late by an exponential delay of mean 20 ms): seconds per update of
-   sync (the slowest of N: ``base + mu H_N``), backup with b = 1 (the 3rd fastest of 4: ``base + mu (H_4 -
-   H_1)``, and the simulator, which knows that a late worker finishes its gradient first), and async (the
+1. **Random delays** (every gradient late by an exponential delay of mean ``MEAN_S`` = 80 ms): seconds per
+   update of sync (the slowest of N: ``base + mu H_N``), backup with b = 1 (the 3rd fastest of 4: ``base + mu
+   (H_4 - H_1)``, and the simulator, which knows that a late worker finishes its gradient first), and async (the
    renewal rate ``1 / sum_i 1 / c_i``).  ``base`` is the measured seconds per update of sync with no delay:
    compute, two messages and the server's work.
-2. **A fixed straggler** (worker 0 is 80 ms slower on every gradient): sync waits for it every update; async
-   does not, and the straggler's gradients are the stalest.
+2. **A fixed straggler** (worker 0 is ``SLOW_S`` = 80 ms slower on every gradient): sync waits for it every
+   update; async does not, and the straggler's gradients are the stalest.
 3. **Staleness**: mean staleness of async against ``N - 1``; ssp with s = 1 never above 1.
 
 It reports; it does not gate (exit 0).

@@ -164,6 +164,7 @@ def test_every_gradient_sent_is_recorded_once_with_stragglers(mode, options, ser
         assert max(sum(r.worker == worker for r in shard.received) for shard in server["shards"]) == count
 
 
+@pytest.mark.timing
 def test_async_staleness_is_about_the_number_of_other_workers():
     server, *_ = launch(_train, "async", 60, {}, nprocs=5, rank_output="none")
     staleness = [r.staleness for r in server["received"] if r.applied is not None]
@@ -303,6 +304,7 @@ def test_sharded_sync_and_ssp_with_bound_zero_give_one_servers_weights(servers):
 
 
 @pytest.mark.parametrize("servers", [2, 3])
+@pytest.mark.timing
 def test_no_shard_applies_a_gradient_staler_than_the_bound(servers):
     stragglers = Stragglers(slow={0: 0.01}, exponential_mean_s=0.001, seed=2)
     server, *_ = launch(_train, "ssp", 20, {"staleness_bound": 1, "stragglers": stragglers, "servers": servers},

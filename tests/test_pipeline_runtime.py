@@ -195,6 +195,7 @@ def _timed(m: int, forward_s: float) -> dict:
     return out
 
 
+@pytest.mark.timing
 def test_timed_stages_hold_every_schedules_bubble_to_its_formula():
     # F = 50 ms: long enough for a machine busy with other tests to add only a point or two of overhead.
     found = launch(_timed, 4, 0.05, nprocs=4, timeout=120, rank_output="none")[0]
