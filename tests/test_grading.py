@@ -491,3 +491,18 @@ def test_a_checkpoint_of_pickled_objects_is_refused_with_weights_only(tmp_path):
     result = grading.run_check(checkpointing_checks.check_writes, path)
     assert not result.passed and "torch.load(path, weights_only=True) refuses your checkpoint" in result.message, \
         result.message
+
+
+@pytest.mark.parametrize("name, check, says", [
+    ("3d_labkit_mesh", 0, "used labkit.mesh.mesh_groups, labkit's own implementation"),
+    ("3d_torch_device_mesh", 0, "used torch.distributed.device_mesh.DeviceMesh.__init__, a built-in"),
+    ("3d_dp_fastest", 1, "the TP group [0, 3, 6, 9] spans nodes [0, 1]"),
+    ("3d_tp_across_nodes", 1, "4 GPUs a node: the TP group [0, 4] spans nodes [0, 1]"),
+    ("3d_right_only_for_a_cube", 0, "world_size=24, dp=3, tp=4, pp=2: the TP groups hold rank(s) [3, 6, 9, 12, 15] "
+                                    "more than once"),
+    ("3d_picotron_grid", 2, "your DP groups include [0, 4], where Megatron's include [0, 2]")])
+def test_the_3d_checks_say_what_went_wrong_and_refuse_both_meshes(name, check, says, tmp_path):
+    """The layout's wrong answers fail for their own reason: the guard names labkit's and torch's meshes (not a
+    syntax error or a crash), and the hints name the group, the nodes or the ranks."""
+    report = grading.check("3d_parallelism", directory=_wrong(name, tmp_path), verbose=False)
+    assert says in report.checks[check].message, report.checks[check].message

@@ -56,6 +56,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                          "A parameter server: the rule for applying gradients under bounded staleness"),
     "checkpointing": ("09_checkpointing.py", "labkit.grading.checkers.checkpointing",
                       "Checkpointing: save a data-parallel run on rank 0 and resume it bit for bit"),
+    "3d_parallelism": ("10_3d_parallelism.py", "labkit.grading.checkers.parallelism_3d",
+                       "3D parallelism: the ranks of every TP, DP and PP group, as Megatron lays them out"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0

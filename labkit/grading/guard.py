@@ -63,6 +63,7 @@ LABKIT_IMPLEMENTATIONS = (
     "labkit.precision",  # 04: the dynamic loss scaler
     "labkit.checkpoint",  # 09: saving and resuming a run (rank 0 writes, every rank's RNG and sampler states)
     "labkit.checkpoint_files",  # 09: the atomic write and the RNG state helpers
+    "labkit.mesh",  # 10: the 3D layout (mesh_groups is megatron_groups) and the Mesh built on it
 )
 
 # Collective functions and methods, by name: torch.distributed's all_reduce, all_gather_into_tensor,
