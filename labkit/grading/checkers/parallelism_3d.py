@@ -91,9 +91,9 @@ def check_the_groups_form_a_grid(module) -> None:
                     + ": each rank belongs to one group of each dimension")
         shared: dict[tuple[int, int], str] = {}
         for dim in DIMS:
-            for group in groups[dim]:
-                for i, a in enumerate(sorted(group)):
-                    for b in sorted(group)[i + 1:]:
+            for group in map(sorted, groups[dim]):
+                for i, a in enumerate(group):
+                    for b in group[i + 1:]:
                         if (a, b) in shared:
                             raise CheckFailed(
                                 f"{_layout(*layout)}: ranks {a} and {b} share a {shared[a, b].upper()} group and a "
