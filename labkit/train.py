@@ -9,11 +9,26 @@ On GPUs (NCCL, one process per GPU; ``torchrun`` sets RANK/WORLD_SIZE and the tr
 
     torchrun --nproc_per_node=8 -m labkit.train --strategy fsdp --model tiny-gpt --preset 10m --steps 1000
 
-The ranks are laid out by a :class:`labkit.mesh.Mesh` (today every rank is a data-parallel rank; tensor and
-pipeline degrees join with their lessons), and the strategy is one of ``labkit.parallel``'s wrappers, chosen once
+**3D parallelism** (lesson 10): ``--dp D --tp T --pp P`` with ``D T P`` equal to the number of ranks lays
+them out on a :class:`labkit.mesh.Mesh` and wraps the model with :func:`labkit.parallel.parallelize.parallelize`:
+pipeline stages over pp (``--schedule gpipe|1f1b|interleaved|zb-h1``, ``--microbatches M``), tensor parallelism
+over tp, and over dp DDP, ZeRO-1, ZeRO-2 or FSDP (``--zero 0|1|2|3``).  A degree left out is 1, or for dp what the
+world size leaves.  The same command on a laptop (``--nprocs 8``, gloo) and on GPU nodes (``torchrun``, NCCL)::
+
+    python -m labkit.train --dp 2 --tp 2 --pp 2 --nprocs 8 --steps 50
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        -m labkit.train --dp 2 --tp 8 --pp 1 --zero 1 --preset 10m --steps 1000
+
+``--precision bf16`` (autocast) or ``fp16`` (autocast and a dynamic loss scaler) works with every strategy (fp16
+not with ZeRO-2, whose gradients live where the scaler does not look).  ``--trace PATH`` writes a
+Chrome/Perfetto trace (chrome://tracing, ui.perfetto.dev) of the last step: every rank's compute, tensor-parallel
+all-reduces, pipeline waits (the bubble) and data-parallel reduction on one timeline; ``--log-dir DIR`` writes
+each rank's own progress to ``DIR/rank-R.log``.
+
+Otherwise the ranks are all data-parallel, and the strategy is one of ``labkit.parallel``'s wrappers, chosen once
 from :data:`STRATEGIES` (a name -> constructor table).  After that the loop knows nothing about which wrapper it
-holds: it uses the contract of ``labkit.parallel.base`` only (``make_optimizer``, ``clip_grad_norm_``,
-``communication_per_step``, ``memory_breakdown``, ``full_state_dict``).  ``single`` is the same loop with no
+holds: it uses the contract of ``labkit.parallel.base`` only (``forward_backward``, ``make_optimizer``,
+``clip_grad_norm_``, ``communication_per_step``, ``memory_breakdown``, ``full_state_dict``).  ``single`` is the same loop with no
 wrapper at all (:class:`labkit.parallel.base.SingleProcess`).
 
 The workload is :class:`labkit.models.TinyGPT` on text from :class:`labkit.data.MarkovChain`, whose best possible
@@ -41,28 +56,33 @@ needs::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from labkit import checkpoint, data, dist, launch
+from labkit import checkpoint, data, dist, launch, precision, trace
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
 from labkit.parallel.base import ParallelWrapper, SingleProcess
 from labkit.parallel.ddp import DistributedDataParallel
 from labkit.parallel.fsdp import FullyShardedDataParallel
+from labkit.parallel.parallelize import SCHEDULES, check_3d, parallelize
 from labkit.parallel.zero import ZeroDataParallel
 
 MODELS = ("tiny-gpt", "tiny-mlp")
+PRECISIONS = ("fp32", "bf16", "fp16")
 MiB = 1024 * 1024
 
 
@@ -82,6 +102,50 @@ class TrainConfig:
     save_every: int | None = None
     checkpoint_layout: str = "full"  # or "sharded": every rank writes its own shard (labkit.checkpoint)
     resume: str | None = None  # a checkpoint directory, or "latest" (the newest in checkpoint_dir)
+    dp: int | None = None  # 3D parallelism (any of dp, tp, pp given): the mesh's degrees
+    tp: int | None = None
+    pp: int | None = None
+    zero: int = 0  # 3D: the data-parallel wrapper, 0 DDP, 1/2 ZeRO-1/2, 3 FSDP
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # per step; default 2 pp (1 without a pipeline)
+    virtual_stages: int = 2  # stages per rank of the interleaved schedule
+    precision: str = "fp32"
+    trace: str | None = None  # write a Chrome trace of the last step here
+    log_dir: str | None = None  # each rank's progress in DIR/rank-R.log
+
+    @property
+    def three_d(self) -> bool:
+        return any(degree is not None for degree in (self.dp, self.tp, self.pp))
+
+    def gpt_config(self) -> GPTConfig:
+        """The model's config; a pipeline of several stages cannot tie the embedding to the head."""
+        return GPTConfig.preset(self.preset, **({"tie_weights": False} if (self.pp or 1) > 1 else {}))
+
+    def default_microbatches(self) -> int:
+        """``--microbatches``, or by default two per pipeline stage (1 without a pipeline)."""
+        if self.microbatches is not None:
+            return self.microbatches
+        return 2 * self.pp if (self.pp or 1) > 1 else 1
+
+    def resolve(self, world_size: int) -> None:
+        """3D: fill in the degrees left out (1, or for dp what ``world_size`` leaves) and the micro-batches,
+        then check the layout against ``world_size`` (``ValueError`` naming what does not fit)."""
+        if not self.three_d:
+            return
+        tp, pp = self.tp or 1, self.pp or 1
+        for name, value in (("tp", tp), ("pp", pp), ("dp", self.dp or 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name} must be an integer >= 1, got {value!r}")
+        if self.dp is None:
+            if world_size % (tp * pp):
+                raise ValueError(f"--tp {tp} * --pp {pp} = {tp * pp} does not divide the {world_size} ranks, so "
+                                 "no data-parallel degree fits")
+            self.dp = world_size // (tp * pp)
+        self.tp, self.pp = tp, pp
+        self.microbatches = self.default_microbatches()
+        check_3d(self.gpt_config(), self.dp, tp, pp, zero=self.zero, schedule=self.schedule,
+                 microbatches=self.microbatches, virtual_stages=self.virtual_stages, batch_size=self.batch_size,
+                 world_size=world_size)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value, before any process starts."""
@@ -109,6 +173,24 @@ class TrainConfig:
             raise ValueError("--resume latest needs --checkpoint-dir (where to look for the newest checkpoint)")
         if self.resume not in (None, "latest") and not Path(self.resume).is_dir():
             raise ValueError(f"--resume {self.resume}: no such checkpoint directory")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision == "fp16" and (self.strategy == "zero2" or (self.three_d and self.zero == 2)):
+            raise ValueError("--precision fp16 needs a loss scaler, which unscales the optimizer's gradients; ZeRO-2 "
+                             "keeps them in its shards where it does not look: use bf16, or another --zero")
+        if self.three_d:
+            if self.strategy != "single":
+                raise ValueError(f"--strategy {self.strategy} and --dp/--tp/--pp: choose one (with the degrees, "
+                                 "--zero picks the data-parallel wrapper: 0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP)")
+            if self.model != "tiny-gpt":
+                raise ValueError(f"--dp/--tp/--pp split a transformer: use --model tiny-gpt, not {self.model}")
+            if self.checkpoint_layout != "full":
+                raise ValueError("a 3D run saves the full checkpoint layout only (--checkpoint-layout full)")
+            check_3d(self.gpt_config(), self.dp or 1, self.tp or 1, self.pp or 1, zero=self.zero,
+                     schedule=self.schedule, microbatches=self.default_microbatches(),
+                     virtual_stages=self.virtual_stages, batch_size=self.batch_size)
+        elif (self.zero, self.schedule, self.microbatches) != (0, "1f1b", None):
+            raise ValueError("--zero, --schedule and --microbatches belong to 3D runs: give --dp/--tp/--pp too")
 
 
 # The one place that knows the wrappers: a strategy's name -> how to wrap a plain model over the mesh.
@@ -131,7 +213,7 @@ def build(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1
     coordinate draw the same batches."""
     generator = data.data_parallel_generator(config.seed, dp_rank, dp_size)
     if config.model == "tiny-gpt":
-        model_config = GPTConfig.preset(config.preset)
+        model_config = config.gpt_config()
         model = TinyGPT(model_config, seed=config.seed)
         chain = data.MarkovChain(seed=config.seed)
         tokens = chain.sample(200_000, seed=config.seed)
@@ -151,48 +233,76 @@ def build(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1
     return model, batch, None, generator
 
 
-def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    output = model(inputs, targets) if isinstance(model.module, TinyGPT) else model(inputs)
-    if isinstance(output, tuple):
-        return output[1]
-    return nn.functional.cross_entropy(output, targets)
+def _wrap(plain: nn.Module, mesh: Mesh | None, config: TrainConfig) -> ParallelWrapper:
+    """The model under its strategy: :func:`parallelize` for 3D runs, else one of :data:`STRATEGIES`."""
+    if not config.three_d:
+        return STRATEGIES[config.strategy](plain, mesh, config)
+    return parallelize(plain, mesh, zero=config.zero, schedule=config.schedule, microbatches=config.microbatches,
+                       virtual_stages=config.virtual_stages, micro_batch_size=config.batch_size // config.microbatches,
+                       seq_len=plain.config.block_size, bucket_cap_mb=config.bucket_cap_mb, seed=config.seed)
 
 
 def train(config: TrainConfig) -> dict:
     """Run on every rank (or alone): returns this rank's loss history, step time, bytes communicated per step,
-    model-state bytes held, and a checksum of the unsharded parameters."""
+    model-state bytes held, a checksum of the unsharded parameters, and its mesh coordinates."""
     device = dist.device()
-    if config.strategy != "single" and not dist.is_initialized():
+    if (config.strategy != "single" or config.three_d) and not dist.is_initialized():
         raise ValueError(f"--strategy {config.strategy} needs several ranks: pass --nprocs N, or run under torchrun")
-    mesh = Mesh(dp=dist.world_size()) if dist.is_initialized() else None
-    plain, batch, floor, generator = build(config, *((mesh.rank("dp"), mesh.size("dp")) if mesh else (0, 1)))
-    model = STRATEGIES[config.strategy](plain.to(device), mesh, config)
-    optimizer = model.make_optimizer(torch.optim.AdamW, lr=config.lr)
     world = dist.world_size()
-    start = _resume(config, model, optimizer, generator)
+    config.resolve(world)
+    if config.three_d:
+        mesh = Mesh(dp=config.dp, tp=config.tp, pp=config.pp)
+    else:
+        mesh = Mesh(dp=world) if dist.is_initialized() else None
+    plain, batch, floor, generator = build(config, *((mesh.rank("dp"), mesh.size("dp")) if mesh else (0, 1)))
+    torch.manual_seed(config.seed)  # the same default generator on every rank (tensor parallelism checks it)
+    model = _wrap(plain.to(device), mesh, config)
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=config.lr)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+    scaler = precision.DynamicLossScaler(enabled=config.precision == "fp16")
+    start = _resume(config, model, optimizer, generator, scaler)
+    replicas = mesh.size("dp") if mesh else 1
+    log = _rank_log(config, mesh)
     if dist.is_main():
         size = sum(p.numel() for p in plain.parameters())
-        print(f"labkit.train: {config.strategy} on {world} rank(s) ({dist.backend() or 'no process group'}, "
-              f"{device}); {config.model} {size:,} parameters; global batch {config.batch_size * world}"
+        layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}, {_DP_NAMES[config.zero]} over dp, "
+                  f"{config.schedule} with {config.microbatches} micro-batches" if config.three_d
+                  else config.strategy)
+        print(f"labkit.train: {layout} on {world} rank(s) ({dist.backend() or 'no process group'}, {device}) in "
+              f"{config.precision}; {config.model} {size:,} parameters; global batch {config.batch_size * replicas}"
               + (f"; loss floor {floor:.3f} nats" if floor is not None else ""), flush=True)
     history: list[float] = []
     began = time.perf_counter()
     for step in range(start + 1, config.steps + 1):
         _maybe_killed(step)
         inputs, targets = (tensor.to(device) for tensor in batch(step))
-        loss = _loss(model, inputs, targets)
+        traced = config.trace is not None and step == config.steps
+        if traced:
+            trace.enable(coords=mesh.coords() if mesh else None)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        with precision.autocast(device, low) if low is not None else contextlib.nullcontext():
+            loss = model.forward_backward(inputs, targets, loss_scale=scaler.get_scale())
+        if scaler.is_enabled():
+            scaler.unscale_(optimizer)
         if config.clip_grad_norm is not None:
             model.clip_grad_norm_(config.clip_grad_norm)
-        optimizer.step()
+        with trace.span("optimizer step", "compute") if traced else contextlib.nullcontext():
+            scaler.step(optimizer)
+            scaler.update()
+        if traced:
+            _write_trace(config.trace)
         history.append(loss.item())
+        if log is not None:
+            log.write(f"step {step} loss {history[-1]:.6f} {1e3 * (time.perf_counter() - began) / len(history):.1f} "
+                      "ms/step\n")
+            log.flush()
         if step % config.log_every == 0 or step == config.steps:
             _log(step, config, loss.detach(), floor, time.perf_counter() - began, model.communication_per_step())
         if config.checkpoint_dir and (step == config.steps or (config.save_every and step % config.save_every == 0)):
             saved = checkpoint.save(checkpoint.step_directory(config.checkpoint_dir, step), model, optimizer, step,
                                     generators={"data": generator}, extra={"config": asdict(config)},
-                                    layout=config.checkpoint_layout)
+                                    layout=config.checkpoint_layout,
+                                    scaler=scaler if scaler.is_enabled() else None)
             if dist.is_main():
                 who = "rank 0 writes" if config.checkpoint_layout == "full" else "every rank writes its shard"
                 print(f"checkpoint saved to {saved} ({who})", flush=True)
@@ -200,9 +310,38 @@ def train(config: TrainConfig) -> dict:
     full = model.full_state_dict()  # collective: every rank takes part
     checksum = float(sum(tensor.detach().double().sum() for name, tensor in full.items()
                          if name in dict(plain.named_parameters())))
+    if log is not None:
+        log.close()
     return {"rank": dist.rank(), "losses": history, "ms_per_step": 1e3 * seconds / max(1, len(history)),
             "communication": model.communication_per_step(), "memory": model.memory_breakdown(),
-            "checksum": checksum}
+            "checksum": checksum, "coords": mesh.coords() if mesh else {"pp": 0, "dp": 0, "tp": 0},
+            "local_rank": dist.local_rank(), "node": int(os.environ.get("GROUP_RANK", "0"))}
+
+
+_DP_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
+
+
+def _rank_log(config: TrainConfig, mesh: Mesh | None) -> Any:
+    """``--log-dir``: this rank's own file, opened for appending (a resumed run goes on in the same file)."""
+    if config.log_dir is None:
+        return None
+    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    log = open(Path(config.log_dir) / f"rank-{dist.rank()}.log", "a")  # noqa: SIM115 (closed at the end of train)
+    where = ", ".join(f"{dim}={index}" for dim, index in mesh.coords().items()) if mesh else "alone"
+    node = os.environ.get("GROUP_RANK", "0")  # torchrun's node rank (--node_rank)
+    log.write(f"# rank {dist.rank()} of {dist.world_size()} ({where}) on node {node} ({socket.gethostname()}), "
+              f"local rank {dist.local_rank()}\n")
+    return log
+
+
+def _write_trace(path: str) -> None:
+    """Gather every rank's spans of the step just traced to rank 0, which writes them as a Chrome trace."""
+    spans = trace.gather()
+    trace.disable()
+    if dist.is_main():
+        written = trace.write_chrome_trace(spans, path)
+        print(f"trace of the last step ({len(spans)} spans, every rank) written to {written}: open it in "
+              "ui.perfetto.dev or chrome://tracing", flush=True)
 
 
 def _log(step: int, config: TrainConfig, loss: torch.Tensor, floor: float | None, elapsed: float,
@@ -229,7 +368,7 @@ def _log(step: int, config: TrainConfig, loss: torch.Tensor, floor: float | None
 
 
 def _resume(config: TrainConfig, model: ParallelWrapper, optimizer: torch.optim.Optimizer,
-            generator: torch.Generator) -> int:
+            generator: torch.Generator, scaler: precision.DynamicLossScaler) -> int:
     """Load ``--resume`` (or the newest checkpoint, for ``latest``); the step it reached (0: a fresh start)."""
     if config.resume is None:
         return 0
@@ -238,7 +377,8 @@ def _resume(config: TrainConfig, model: ParallelWrapper, optimizer: torch.optim.
         if dist.is_main():
             print(f"labkit.train: no checkpoint in {config.checkpoint_dir} yet: starting from step 0", flush=True)
         return 0
-    step = checkpoint.load(path, model, optimizer, generators={"data": generator}).step
+    step = checkpoint.load(path, model, optimizer, generators={"data": generator},
+                           scaler=scaler if scaler.is_enabled() else None).step
     if dist.is_main():
         print(f"labkit.train: resumed from {path} at step {step}", flush=True)
     return step
@@ -271,14 +411,35 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
     parser.add_argument("--checkpoint-layout", default="full", help="full (rank 0 writes) or sharded (every rank)")
     parser.add_argument("--resume", default=None, help="a checkpoint directory, or 'latest' in --checkpoint-dir")
+    parser.add_argument("--dp", type=int, default=None, help="3D: data-parallel degree (default: what is left)")
+    parser.add_argument("--tp", type=int, default=None, help="3D: tensor-parallel degree (default 1)")
+    parser.add_argument("--pp", type=int, default=None, help="3D: pipeline stages (ranks; default 1)")
+    parser.add_argument("--zero", type=int, default=0, help="3D: over dp, 0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP")
+    parser.add_argument("--schedule", default="1f1b", help=f"3D: pipeline schedule, one of {', '.join(SCHEDULES)}")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="3D: micro-batches per step, dividing --batch-size (default 2 x pp, or 1)")
+    parser.add_argument("--virtual-stages", type=int, default=2, help="3D, interleaved: stages per rank")
+    parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
+    parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the last step to this file")
+    parser.add_argument("--log-dir", default=None, help="each rank appends its progress to DIR/rank-R.log")
     parser.add_argument("--nprocs", type=int, default=None,
-                        help="ranks to fork on this machine (default: 2 for ddp, 1 for single; ignored under torchrun)")
+                        help="ranks to fork on this machine (default: 2 for ddp, 1 for single, dp x tp x pp for 3D; "
+                             "ignored under torchrun)")
     args = parser.parse_args(argv)
-    nprocs = args.nprocs if args.nprocs is not None else (1 if args.strategy == "single" else 2)
     config = TrainConfig(**{key: value for key, value in vars(args).items() if key != "nprocs"})
     config.validate()
+    if args.nprocs is not None:
+        nprocs = args.nprocs
+    elif config.three_d:
+        if None in (config.dp, config.tp, config.pp) and not dist.in_torchrun():
+            raise ValueError("a 3D run needs --nprocs N (or all of --dp, --tp and --pp, whose product it is)")
+        nprocs = (config.dp or 1) * (config.tp or 1) * (config.pp or 1)
+    else:
+        nprocs = 1 if config.strategy == "single" else 2
     if nprocs < 1:
         raise ValueError(f"--nprocs must be >= 1, got {nprocs}")
+    world = int(os.environ["WORLD_SIZE"]) if dist.in_torchrun() and "WORLD_SIZE" in os.environ else nprocs
+    config.resolve(world)  # every check of the layout, before any process starts
     return config, nprocs
 
 
@@ -289,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"labkit.train: {error}", file=sys.stderr)
         return 2
     under_torchrun = dist.in_torchrun()
-    if config.strategy == "single" and not under_torchrun and nprocs == 1:  # no process group at all
+    if config.strategy == "single" and not config.three_d and not under_torchrun and nprocs == 1:  # no group
         results = [train(config)]
     else:
         results = launch.launch(train, config, nprocs=nprocs, timeout=None)

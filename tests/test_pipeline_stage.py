@@ -190,3 +190,35 @@ def test_build_stage_refuses_tied_weights_and_bad_stage_indices():
         build_stage(GPTConfig.preset("100k"), SEED, 0, 2)
     with pytest.raises(ValueError, match=r"global stage index in \[0, 2\)"):
         build_stage(CONFIG, SEED, 2, 2)
+
+
+class _HeadUsedByHand(torch.nn.Module):
+    """One whole stage whose head's weight is used without calling the head (``F.linear(x, head.weight)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8)
+
+    def forward(self, ids, targets):
+        logits = torch.nn.functional.linear(self.embedding(ids), self.head.weight, self.head.bias)
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _split_forward_of_a_hand_used_weight() -> str:
+    stage = PipelineStage(_HeadUsedByHand(), 0, 1, None, micro_batch_size=2, seq_len=3, num_microbatches=1,
+                          hidden_size=4)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    stage.forward(0, ids, ids)  # a whole backward does not need the layers' outputs
+    stage.backward(0)
+    try:
+        stage.forward(0, ids, ids, split_backward=True)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_split_backward_refuses_weights_used_outside_their_layer():
+    """W finds a weight's gradient from its layer's output, seen by a forward hook: a weight used by hand would
+    get none, silently (tensor parallelism's query/key/value once did), so the first split forward refuses it."""
+    message = launch(_split_forward_of_a_hand_used_weight, nprocs=1)[0]
+    assert "used without their layer's forward" in message and "head.weight" in message

@@ -7,6 +7,8 @@ things, so that the trainer, the checkpointer, the notebooks and the benchmarks 
 ================================  ==============================================================================
 ``.module``                       the plain model (or this rank's part of it)
 ``make_optimizer(cls, **kw)``     an optimizer over what this rank updates (ZeRO: a ``ShardedOptimizer``)
+``forward_backward(x, y)``        one step's forward and backward passes over this rank's batch: its mean loss
+                                  (a pipeline runs its whole schedule; ``loss_scale=S`` scales the gradients)
 ``set_requires_gradient_sync(b)`` ``False``: backward passes accumulate locally and communicate nothing
 ``reduce_gradients()``            the reduction those backward passes skipped, explicitly: after ``m`` forwards
                                   and ``m`` backwards with sync off (a pipeline schedule's order), one call
@@ -31,6 +33,7 @@ The shard layout that ZeRO-2 and FSDP share is in :mod:`labkit.parallel.shard_la
 
 from __future__ import annotations
 
+import inspect
 import math
 import zlib
 from collections import Counter
@@ -104,6 +107,20 @@ class ParallelWrapper(nn.Module):
         raise NotImplementedError
 
     # -- gradients -----------------------------------------------------------------------------------------
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0
+                         ) -> torch.Tensor:
+        """One step's forward and backward passes over this rank's batch; returns its mean loss (detached).
+
+        Default: one forward, and ``backward()`` of ``loss * loss_scale``.  The loss is the module's own when its
+        ``forward`` takes the targets and returns ``(output, loss)`` (TinyGPT), else the cross-entropy of its
+        output.  A pipeline (:class:`labkit.parallel.parallelize.Parallel3D`) runs its schedule instead.
+        """
+        takes_targets = len(inspect.signature(self.module.forward).parameters) >= 2
+        output = self(inputs, targets) if takes_targets else self(inputs)
+        loss = output[1] if isinstance(output, tuple) else nn.functional.cross_entropy(output, targets)
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        return loss.detach()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """``False``: backward passes leave their gradients on this rank (accumulating) until

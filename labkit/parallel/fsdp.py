@@ -355,11 +355,12 @@ class FullyShardedDataParallel(ParallelWrapper):
         return sum(t.untyped_storage().nbytes() for unit in self.units for flat in unit.flats
                    for t in (*flat.full_parameters, flat.gathering) if t is not None)
 
-    def predicted_communication(self) -> dict[str, int]:
-        """Bytes entering each collective in one forward + backward: every unit's padded buffer gathered twice
-        (the root once), every trainable one reduce-scattered once."""
-        gathers = sum((1 if unit.is_root else 2) * flat.layout.padded_numel for unit in self.units
-                      for flat in unit.flats)
+    def predicted_communication(self, forwards: int = 1, root_gathers: int = 1) -> dict[str, int]:
+        """Bytes entering each collective in one step: every unit's padded buffer gathered twice per forward and
+        backward (``forwards`` of each: a pipeline's micro-batches), the root ``root_gathers`` times (it stays
+        gathered while any forward awaits its backward), every trainable one reduce-scattered once."""
+        gathers = sum((root_gathers if unit.is_root else 2 * forwards) * flat.layout.padded_numel
+                      for unit in self.units for flat in unit.flats)
         scatters = sum(flat.layout.padded_numel for unit in self.units for flat in unit.flats if flat.requires_grad)
         return {"all_gather": gathers * torch.finfo(self.compute_dtype).bits // 8,
                 "reduce_scatter": scatters * torch.finfo(self.reduce_dtype).bits // 8}

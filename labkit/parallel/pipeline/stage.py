@@ -114,11 +114,14 @@ class PipelineStage:
     has shape ``activation_shape = (micro_batch_size, seq_len, n_embd)`` (see the module docstring), and the
     last stage's ``backward`` scales the loss by ``1 / num_microbatches``.
 
+    ``hidden_size`` is ``n_embd``, read from ``module.config`` unless given (a module wrapped in FSDP has none).
+
     ``prev_rank`` and ``next_rank`` are the global ranks of the neighbouring stages (``None`` at either end).
     """
 
     def __init__(self, module: nn.Module, stage: int, num_stages: int, group: Any = None, *,
-                 micro_batch_size: int, seq_len: int, num_microbatches: int, dtype: torch.dtype | None = None):
+                 micro_batch_size: int, seq_len: int, num_microbatches: int, dtype: torch.dtype | None = None,
+                 hidden_size: int | None = None):
         self.module = module
         self.num_stages = _check_count("num_stages", num_stages)
         self.num_microbatches = _check_count("num_microbatches", num_microbatches)
@@ -144,12 +147,15 @@ class PipelineStage:
         self.device = parameter.device
         self.dtype = dtype or parameter.dtype
         self.activation_shape = torch.Size((_check_count("micro_batch_size", micro_batch_size),
-                                            _check_count("seq_len", seq_len), module.config.n_embd))
+                                            _check_count("seq_len", seq_len),
+                                            module.config.n_embd if hidden_size is None else hidden_size))
         # micro-batch -> (input, output, [(layer, its output)] for a split backward, else None)
         self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor, list | None]] = {}
         self._weight_work: dict[int, list[tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {}  # I done, W not
         self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
         self._hooked = False  # hooks on the weight-holding layers, added by the first split forward
+        self._checked_capture = False
+        self.loss_scale = 1.0  # the last stage back-propagates loss * loss_scale / num_microbatches (fp16)
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def __repr__(self) -> str:
@@ -203,8 +209,21 @@ class PipelineStage:
         finally:
             captured, self._capture = self._capture, None
         result = loss if self.is_last else output
+        if split_backward and not self._checked_capture:
+            self._check_capture(captured)
         self._saved[microbatch] = (inputs, result, captured)
         return result
+
+    def _check_capture(self, captured: list[tuple[nn.Module, torch.Tensor]]) -> None:
+        """A split backward finds each weight's gradient from its layer's output, seen by a forward hook: a layer
+        whose weights were used without calling it (``F.linear(x, layer.weight)``) would silently get none."""
+        seen = {id(p) for layer, _ in captured for p in layer.parameters(recurse=False)}
+        missed = [name for name, p in self.module.named_parameters() if p.requires_grad and id(p) not in seen]
+        if missed:
+            raise ValueError(f"stage {self.stage}: a split backward (I then W) needs every weight-holding layer "
+                             f"to be called as a module, but the weights {missed[:4]} were used without their "
+                             "layer's forward, so W could not compute their gradients")
+        self._checked_capture = True
 
     def _take(self, microbatch: int, grad_output: torch.Tensor | None, split: bool):
         self._check_microbatch(microbatch)
@@ -220,7 +239,11 @@ class PipelineStage:
             self._check_shape("grad_output", grad_output)
         inputs, output, captured = self._saved.pop(microbatch)
         # The root of this stage's backward: the last stage's share of the mean loss, or the output and its grad.
-        root, grad = (output / self.num_microbatches, None) if self.is_last else (output, grad_output)
+        if self.is_last:
+            scaled = output if self.loss_scale == 1.0 else output * self.loss_scale
+            root, grad = scaled / self.num_microbatches, None
+        else:
+            root, grad = output, grad_output
         return inputs, root, grad, captured
 
     def backward(self, microbatch: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -50,7 +50,8 @@ def enter_columns(x: torch.Tensor, layers: list[ColumnParallelLinear], tp: Tenso
     if sequence_parallel:
         return gathered_linears(x, layers, tp, where)
     x = copy_to_tensor_parallel(x, tp, where)
-    return [F.linear(x, layer.weight, layer.bias) for layer in layers]
+    # Through each layer's own call, so that its forward hooks see its output (a split backward captures it).
+    return [layer(x, entered=True) for layer in layers]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -82,8 +83,13 @@ class ColumnParallelLinear(nn.Module):
             layer.bias.copy_(dense.bias.chunk(tp.size, dim=0)[tp.rank])
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return enter_columns(x, [self], self.tp, self.sequence_parallel, self.where)[0]
+    def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
+        """``x W_r^T + b_r``; ``entered``: ``x`` has already passed ``f`` (:func:`enter_columns`)."""
+        if entered:
+            return F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:
+            return enter_columns(x, [self], self.tp, self.sequence_parallel, self.where)[0]
+        return F.linear(copy_to_tensor_parallel(x, self.tp, self.where), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (this rank: " \

@@ -1,0 +1,431 @@
+"""``parallelize(model, mesh, ...)``: TinyGPT under all three parallelisms at once (3D; Narayanan et al. 2021).
+
+The three are applied in the order torchtitan applies them, each inside the group of its dimension of the
+:class:`labkit.mesh.Mesh`:
+
+1. **pipeline** (pp): the model is cut into ``p v`` stages (:func:`~labkit.parallel.pipeline.split_stages`), and
+   this rank keeps its own, ``r, r + p, ...`` for pp-rank ``r``;
+2. **tensor** (tp): each of those stages is split over the ``t`` ranks of the tp group
+   (:class:`~labkit.parallel.tensor.TensorParallel`: heads, MLP columns and rows, the vocabulary);
+3. **data** (dp): the ``d`` ranks that hold the same piece of the same stages are replicas: DDP (``zero=0``),
+   ZeRO-1 or ZeRO-2 around this rank's stages, or FSDP (``zero=3``) around its one stage, over the dp group.
+
+One training step is a pipeline schedule (GPipe, 1F1B, interleaved 1F1B or ZB-H1) over ``m`` micro-batches of
+the data-parallel rank's batch, run by :func:`~labkit.parallel.pipeline.run_schedule`.  Every wrapper runs with
+gradient sync off during the schedule, so that the ``m`` backward passes only accumulate; then the data-parallel
+reduction runs **once per step**, not once per micro-batch (``reduce_gradients()``: DDP's all-reduce, ZeRO-2's
+and FSDP's reduce-scatter).  Tensor parallelism's all-reduces of activations, in contrast, sit inside every
+micro-batch's forward and backward, on the critical path; and the pipeline sends one activation per micro-batch
+and boundary forward, one gradient back.  What each dimension puts on the wire, per step and per rank:
+
+=========  ====================================================================  ==========================
+dimension  what                                                                  when
+=========  ====================================================================  ==========================
+tp         ``b s h`` activations, all-reduced 2x forward and 2x backward a layer  every micro-batch, blocking
+pp         ``b s h`` activations to the next stage, their gradients back          every micro-batch, p2p
+dp         this rank's gradients (``Psi / (t p)``), all-reduced or scattered      once a step, after the last B
+=========  ====================================================================  ==========================
+
+which is why the mesh puts tp innermost (one node's fast links) and pp outermost (:mod:`labkit.mesh`).
+
+**The result keeps the wrapper contract** (:mod:`labkit.parallel.base`), so the trainer and the checkpointer
+treat it like any other: :meth:`Parallel3D.forward_backward` runs a step's schedule and returns the loss (on
+every rank: the last stage's, broadcast over the pp group), ``make_optimizer`` builds the data-parallel
+wrapper's optimizer over this rank's pieces, ``clip_grad_norm_`` clips by the norm over the whole model,
+``full_state_dict()`` gathers the dense TinyGPT (FSDP's shards over dp, TP's slices over tp, the stages over pp)
+and ``full_optimizer_state_dict`` does the same for Adam's moments, so a full checkpoint of a 3D run loads into
+one process, or into another layout.
+
+**What is refused, before any process starts** (:func:`check_3d`): a product ``d t p`` that is not the world
+size, ``t`` that does not divide the heads and the hidden size, ``p v`` stages that do not divide the layers,
+a batch that the micro-batches do not divide, a schedule that does not fit ``p`` and ``m``, tied embeddings
+with more than one stage, and FSDP with a schedule it cannot run: interleaving (FSDP here wraps one stage per
+rank) and ZB-H1 (its ``W`` passes bypass FSDP's per-unit backward hooks).  ZeRO-1/2 shard one optimizer over
+all of this rank's stages, so they run with every schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labkit import trace
+from labkit.dist import global_rank
+from labkit.mesh import Mesh, _check_degrees
+from labkit.models import GPTConfig, TinyGPT
+from labkit.parallel.base import ParallelWrapper, Piece
+from labkit.parallel.ddp import DistributedDataParallel
+from labkit.parallel.fsdp import FullyShardedDataParallel
+from labkit.parallel.pipeline import schedule as schedules
+from labkit.parallel.pipeline.runtime import run_schedule
+from labkit.parallel.pipeline.simulate import Timeline
+from labkit.parallel.pipeline.stage import PipelineStage, split_stages
+from labkit.parallel.tensor.state import local_part
+from labkit.parallel.tensor.transformer import TensorParallel, check_tensor_parallel_sizes
+from labkit.parallel.zero import ZeroDataParallel
+
+SCHEDULES: dict[str, Callable[..., schedules.Schedule]] = {
+    "gpipe": lambda p, m, v: schedules.gpipe(p, m),
+    "1f1b": lambda p, m, v: schedules.one_f_one_b(p, m),
+    "interleaved": lambda p, m, v: schedules.interleaved_1f1b(p, m, v),
+    "zb-h1": lambda p, m, v: schedules.zb_h1(p, m),
+}
+ZERO_STAGES = (0, 1, 2, 3)
+DP_WRAPPERS = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
+
+
+def check_3d(config: GPTConfig, dp: int, tp: int, pp: int, *, zero: int = 0, schedule: str = "1f1b",
+             microbatches: int = 1, virtual_stages: int = 1, batch_size: int | None = None,
+             seq_len: int | None = None, world_size: int | None = None) -> schedules.Schedule:
+    """Every check of a 3D layout that needs no process group; returns the step's schedule.
+
+    ``batch_size`` is one data-parallel replica's batch (cut into ``microbatches``); ``virtual_stages`` (``v``)
+    is the number of stages per pp-rank, used by ``"interleaved"`` only.  Raises ``ValueError`` naming the value.
+    """
+    degrees = _check_degrees(dp, tp, pp)
+    if world_size is not None and dp * tp * pp != world_size:
+        raise ValueError(f"dp * tp * pp must equal the number of ranks: {dp} * {tp} * {pp} = {dp * tp * pp}, "
+                         f"but there are {world_size} (choose degrees whose product is {world_size})")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be one of {ZERO_STAGES} (0: DDP, 1/2: ZeRO-1/2, 3: FSDP), got {zero!r}")
+    for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    v = virtual_stages if schedule == "interleaved" else 1
+    if schedule == "interleaved" and v < 2:
+        raise ValueError(f"the interleaved schedule needs virtual_stages >= 2 stages per rank, got {v}")
+    check_tensor_parallel_sizes(config.n_embd, config.n_head, degrees["tp"])
+    split_stages(config, pp * v)  # raises when p v stages do not divide n_layer
+    if pp * v > 1 and config.tie_weights:
+        raise ValueError(f"{pp * v} pipeline stages put the embedding and the head on different ranks, so they "
+                         "cannot share one weight: use a config with tie_weights=False")
+    if zero == 3 and (schedule == "zb-h1" or v > 1):
+        raise ValueError(f"FSDP (zero=3) cannot run the {schedule} schedule here: "
+                         + ("its W passes compute weight gradients outside the backward pass that FSDP's "
+                            "per-unit hooks re-gather and reduce" if schedule == "zb-h1" else
+                            "FSDP wraps one stage per rank, and interleaving puts several on each")
+                         + "; use gpipe or 1f1b with FSDP, or ZeRO-1/2 (zero=1 or 2) with this schedule")
+    if batch_size is not None and (batch_size < 1 or batch_size % microbatches):
+        raise ValueError(f"the batch of {batch_size} sequences per data-parallel rank must split into "
+                         f"{microbatches} equal micro-batches (batch_size % microbatches == 0)")
+    if seq_len is not None and not 1 <= seq_len <= config.block_size:
+        raise ValueError(f"seq_len must be in [1, block_size={config.block_size}], got {seq_len}")
+    return SCHEDULES[schedule](pp, microbatches, v)
+
+
+def _stage_module(model: TinyGPT, stage: int, num_stages: int) -> TinyGPT:
+    """Stage ``stage`` of ``model``: a TinyGPT with only that stage's pieces, holding ``model``'s values."""
+    blocks = split_stages(model.config, num_stages)[stage]
+    piece = TinyGPT(model.config, seed=0, blocks=blocks, embedding=stage == 0, head=stage == num_stages - 1)
+    mine = piece.state_dict()
+    piece.load_state_dict({name: model.state_dict()[name] for name in mine})
+    return piece.to(next(model.parameters()).device)
+
+
+class Parallel3D(ParallelWrapper):
+    """This rank's share of a TinyGPT trained with data, tensor and pipeline parallelism; see the module
+    docstring.  Build it with :func:`parallelize`."""
+
+    def __init__(self, model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1f1b",
+                 microbatches: int = 1, virtual_stages: int = 2, micro_batch_size: int, seq_len: int,
+                 bucket_cap_mb: float = 25.0, seed: int | None = None):
+        if not isinstance(model, TinyGPT):
+            raise TypeError(f"parallelize splits a labkit.models.TinyGPT, got {type(model).__name__}")
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a labkit.mesh.Mesh, got {type(mesh).__name__}")
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
+        config = model.config
+        plan = check_3d(config, mesh.dp, mesh.tp, mesh.pp, zero=zero, schedule=schedule, microbatches=microbatches,
+                        virtual_stages=virtual_stages, batch_size=micro_batch_size * microbatches, seq_len=seq_len,
+                        world_size=dist.get_world_size())
+        stage_indices = list(range(mesh.rank("pp"), plan.stages, mesh.pp))
+        # 1. the pipeline's cut, 2. tensor parallelism inside each stage
+        tensor_parallel = [TensorParallel(_stage_module(model, s, plan.stages), mesh.group("tp"), seed=seed)
+                           for s in stage_indices]
+        super().__init__(nn.ModuleList(tensor_parallel), None)
+        self.schedule, self.stage_indices, self.tensor_parallel = plan, stage_indices, tensor_parallel
+        self.mesh, self.zero, self.config = mesh, zero, config
+        self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
+        # 3. data parallelism around them: one wrapper over this rank's stages (FSDP: its one stage)
+        dp_group = mesh.group("dp")
+        if zero == 3:
+            self.data_parallel: ParallelWrapper = FullyShardedDataParallel(self.tensor_parallel[0], group=dp_group)
+            runs = [self.data_parallel]
+        else:
+            stages = self.module
+            self.data_parallel = (DistributedDataParallel(stages, bucket_cap_mb=bucket_cap_mb, group=dp_group)
+                                  if zero == 0 else ZeroDataParallel(stages, stage=zero, bucket_cap_mb=bucket_cap_mb,
+                                                                     group=dp_group))
+            runs = self.tensor_parallel
+        self.stages = [PipelineStage(run, s, self.schedule.stages, mesh, micro_batch_size=micro_batch_size,
+                                     seq_len=seq_len, num_microbatches=self.schedule.m, hidden_size=config.n_embd)
+                       for run, s in zip(runs, self.stage_indices, strict=True)]
+        self.split = {name: spec for tp in self.tensor_parallel for name, spec in tp.split_parameters().items()}
+        self.timeline: Timeline | None = None  # the last step's, when forward_backward(timeline=True)
+        self._p2p: Counter = Counter()
+
+    def __repr__(self) -> str:
+        return (f"Parallel3D({self.mesh!r}, {DP_WRAPPERS[self.zero]} over dp, {self.schedule.name} with "
+                f"m={self.schedule.m}, stages {self.stage_indices} of {self.schedule.stages} on this rank)")
+
+    # -- a step ------------------------------------------------------------------------------------------------
+
+    def _wrappers(self) -> list[ParallelWrapper]:
+        return [*self.tensor_parallel, self.data_parallel]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a pipelined model has no single forward pass: call forward_backward(inputs, targets), "
+                           "which runs a step's schedule")
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0,
+                         timeline: bool = False) -> torch.Tensor:
+        """One step's forward and backward passes over this data-parallel rank's batch ``[m b, s]``: the
+        schedule, then the data-parallel reduction.  Returns the batch's mean loss on every rank (the last
+        stage's, broadcast over the pp group).  ``loss_scale``: the gradients are those of ``loss * loss_scale``
+        (a loss scaler's, for fp16).  With ``timeline``, :attr:`timeline` is the step as it ran."""
+        expected = (self.schedule.m * self.micro_batch_size, self.seq_len)
+        if tuple(inputs.shape) != expected or tuple(targets.shape) != expected:
+            raise ValueError(f"inputs and targets must have shape (microbatches * micro_batch_size, seq_len) = "
+                             f"{expected}, got {tuple(inputs.shape)} and {tuple(targets.shape)}")
+        for stage in self.stages:
+            stage.loss_scale = float(loss_scale)
+        for wrapper in self._wrappers():
+            wrapper.set_requires_gradient_sync(False)
+        try:
+            run = run_schedule(self.schedule, self.stages, inputs, targets, timeline=timeline)
+        finally:
+            for wrapper in self._wrappers():
+                wrapper.set_requires_gradient_sync(True)
+        for tp in self.tensor_parallel:
+            tp.reduce_gradients()
+        with trace.span(f"dp {'all-reduce' if self.zero < 2 else 'reduce-scatter'} gradients", "comm"):
+            self.data_parallel.reduce_gradients()
+        self._count_p2p()
+        self.timeline = run.timeline
+        pp = self.mesh.group("pp")
+        loss = torch.tensor(run.loss if run.loss is not None else 0.0, device=self.stages[0].device)
+        if self.mesh.pp > 1:
+            dist.broadcast(loss, src=global_rank(pp, self.mesh.pp - 1), group=pp)
+        return loss
+
+    def _count_p2p(self) -> None:
+        """The pipeline's point-to-point bytes of the step just run, sent by this rank."""
+        one = math.prod(self.stages[0].activation_shape) * self.stages[0].dtype.itemsize
+        self._p2p = Counter()
+        for stage in self.stages:
+            self._p2p["pp send"] += one * self.schedule.m * ((not stage.is_last) + (not stage.is_first))
+
+    # -- the contract ----------------------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        """Nothing left to do: :meth:`forward_backward` reduces once a step, after its schedule."""
+
+    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], params: Any = None,
+                       **kwargs: Any) -> torch.optim.Optimizer:
+        """The data-parallel wrapper's optimizer over this rank's pieces (ZeRO: a ``ShardedOptimizer``)."""
+        if params is not None:
+            raise ValueError("a 3D model builds its optimizer over all of this rank's pieces; parameter groups "
+                             "are not supported here (params must be None)")
+        self.optimizer = self.data_parallel.make_optimizer(optimizer_cls, **kwargs)
+        return self.optimizer
+
+    def communication_per_step(self) -> dict[str, int]:
+        """Bytes into each collective in the last step, by dimension: ``"tp all_reduce"``, ``"pp send"``,
+        ``"dp all_reduce"`` (or ZeRO's and FSDP's kinds)."""
+        found = Counter(self._p2p)
+        for tp in self.tensor_parallel:
+            found.update({f"tp {kind}": n for kind, n in tp.communication_per_step().items()})
+        found.update({f"dp {kind}": n for kind, n in self.data_parallel.communication_per_step().items()})
+        return dict(found)
+
+    def predicted_communication(self) -> dict[str, int]:
+        found = Counter(self._p2p)
+        for tp in self.tensor_parallel:
+            found.update({f"tp {kind}": n for kind, n in tp.predicted_communication().items()})
+        if self.zero == 3:  # FSDP gathers its units again for every micro-batch's forward and backward
+            predicted = self.data_parallel.predicted_communication(self.schedule.m, self._root_gathers())
+        else:
+            predicted = self.data_parallel.predicted_communication()
+        found.update({f"dp {kind}": n for kind, n in predicted.items()})
+        return dict(found)
+
+    def _root_gathers(self) -> int:
+        """How often this rank's schedule finds no forward awaiting its backward when a forward starts: each
+        time, FSDP gathers the root unit again (it keeps it while any backward is pending)."""
+        pending = gathers = 0
+        for action in self.schedule.orders()[self.mesh.rank("pp")]:
+            if action.kind == "F":
+                gathers += pending == 0
+                pending += 1
+            elif action.kind in ("B", "I"):
+                pending -= 1
+        return gathers
+
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        return self.data_parallel.memory_breakdown(optimizer if optimizer is not None else self.optimizer)
+
+    def gradients(self) -> dict[str, torch.Tensor | None]:
+        """``{name: this rank's gradient}`` under the dense model's names: its slice of every split parameter
+        (ZeRO-2 and FSDP: this rank's piece of that slice), and the replicated ones whole."""
+        return {_plain_name(name): grad for name, grad in self.data_parallel.gradients().items()}
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over the whole model, as one process would compute it: every rank's share of
+        ``|g|^p`` weighted so that a tensor replicated over the tp or dp ranks counts once, summed over all ranks
+        (maxima for ``inf``)."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+        norm_type = float(norm_type)
+        if not (norm_type == math.inf or norm_type > 0):
+            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
+        grads = {name: g for name, g in self.gradients().items() if g is not None}
+        device = self.stages[0].device
+        dp_copies = 1 if self.zero >= 2 else self.mesh.dp  # ZeRO-2 and FSDP hold disjoint pieces over dp
+        local = torch.zeros((), device=device)
+        for name, g in grads.items():
+            if norm_type == math.inf:
+                local = torch.maximum(local, g.detach().abs().max().float()) if g.numel() else local
+            else:
+                copies = dp_copies * (1 if name in self.split else self.mesh.tp)
+                local += g.detach().float().norm(norm_type) ** norm_type / copies
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+        total = local if norm_type == math.inf else local ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads.values():
+            g.mul_(coefficient.to(g.dtype))
+        return total
+
+    # -- dense states: gathered over dp (FSDP), tp (the slices) and pp (the stages) ---------------------------
+
+    def _local_dense(self) -> list[dict[str, torch.Tensor]]:
+        """Per stage of this rank, its tensor-parallel slices, unsharded over dp (collective over dp with FSDP)."""
+        if self.zero == 3:
+            return [{_plain_name(k): v for k, v in self.data_parallel.full_state_dict().items()}]
+        return [tp.module.state_dict() for tp in self.tensor_parallel]
+
+    def _gather_tp(self, tp: TensorParallel, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tp._gather(name, tensor) if name in self.split else tensor.clone()
+
+    def _gather_pp(self, per_stage: dict[int, Any]) -> list[Any]:
+        """Every stage's entry, in stage order, on every rank (an object all-gather over the pp group)."""
+        everyone: list[Any] = [None] * self.mesh.pp
+        dist.all_gather_object(everyone, per_stage, group=self.mesh.group("pp"))
+        merged = {stage: entry for part in everyone for stage, entry in part.items()}
+        return [merged[stage] for stage in sorted(merged)]
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective (every rank): the dense TinyGPT's ``state_dict()``."""
+        mine = {s: {name: self._gather_tp(tp, name, t).cpu() for name, t in local.items()}
+                for s, tp, local in zip(self.stage_indices, self.tensor_parallel, self._local_dense(), strict=True)}
+        device = self.stages[0].device
+        return {name: t.to(device) for part in self._gather_pp(mine) for name, t in part.items()}
+
+    def _tp_local_shapes(self) -> list[dict[str, torch.Size]]:
+        return [{name: t.shape for name, t in local.items()} for local in self._local_dense()]
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        shapes = self._tp_local_shapes()
+        local = [{name: local_part(tp, name, state[name], shape[name]) if name in self.split else state[name]
+                  for name in shape} for tp, shape in zip(self.tensor_parallel, shapes, strict=True)]
+        if self.zero == 3:
+            self.data_parallel.load_full_state_dict({f"module.{k}": v for k, v in local[0].items()})
+        else:
+            for tp, part in zip(self.tensor_parallel, local, strict=True):
+                for name, tensor in tp.module.state_dict().items():
+                    tensor.copy_(part[name])
+
+    def _optimizer_names(self) -> list[tuple[int, str]]:
+        """``(local stage, dense name)`` of each parameter of the data-parallel optimizer, in its order."""
+        if self.zero == 3:
+            return [(0, _plain_name(name)) for name, _ in self.data_parallel.module.named_parameters()]
+        return [(int(name.split(".", 1)[0]), _plain_name(name)) for name, _ in self.module.named_parameters()]
+
+    @torch.no_grad()
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Collective: the optimizer's state as one process over the dense TinyGPT would hold it (its parameters
+        in the dense model's order)."""
+        saved = self.data_parallel.full_optimizer_state_dict(optimizer)
+        if len(saved["param_groups"]) != 1:
+            raise ValueError("a 3D model's optimizer has one parameter group")
+        mine: dict[int, dict[str, Any]] = {s: {} for s in self.stage_indices}
+        for position, (local, name) in enumerate(self._optimizer_names()):
+            entries = saved["state"].get(position, saved["state"].get(str(position)))
+            if entries is not None:
+                tp = self.tensor_parallel[local]
+                mine[self.stage_indices[local]][name] = {
+                    key: self._gather_tp(tp, name, value).cpu() if torch.is_tensor(value) and value.dim() else value
+                    for key, value in entries.items()}
+        ordered = [entry for part in self._gather_pp(
+            {s: list(self._stage_parameter_names(i)) for i, s in enumerate(self.stage_indices)}) for entry in part]
+        states = {name: entries for part in self._gather_pp(mine) for name, entries in part.items()}
+        hyper = {key: value for key, value in saved["param_groups"][0].items() if key != "params"}
+        return {"state": {position: states[name] for position, name in enumerate(ordered) if name in states},
+                "param_groups": [{**hyper, "params": list(range(len(ordered)))}]}
+
+    def _stage_parameter_names(self, local: int) -> list[str]:
+        return [name for name, _ in self.tensor_parallel[local].module.named_parameters()]
+
+    @torch.no_grad()
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        ordered = [entry for part in self._gather_pp(
+            {s: list(self._stage_parameter_names(i)) for i, s in enumerate(self.stage_indices)}) for entry in part]
+        dense = {name: state["state"].get(position, state["state"].get(str(position)))
+                 for position, name in enumerate(ordered)}
+        shapes = self._tp_local_shapes()
+        local: dict[int, dict[str, Any]] = {}
+        for position, (stage, name) in enumerate(self._optimizer_names()):
+            entries = dense[name]
+            if entries is not None:
+                local[position] = {key: (local_part(self.tensor_parallel[stage], name, value, shapes[stage][name])
+                                         if name in self.split else value.clone())
+                                   if torch.is_tensor(value) and value.dim() else value
+                                   for key, value in entries.items()}
+        hyper = {key: value for key, value in state["param_groups"][0].items() if key != "params"}
+        self.data_parallel.load_full_optimizer_state_dict(optimizer, {
+            "state": local, "param_groups": [{**hyper, "params": list(range(len(self._optimizer_names())))}]})
+
+    def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
+        raise NotImplementedError("a 3D model saves the full layout only (checkpoint layout='full'): its pieces "
+                                  "are cut over dp, tp and pp at once")
+
+    def random_states(self) -> dict[str, torch.Tensor]:
+        """Each of this rank's stages' tensor-parallel dropout generator."""
+        return {f"tensor_parallel_dropout/{s}": tp.rng.state.clone()
+                for s, tp in zip(self.stage_indices, self.tensor_parallel, strict=True)}
+
+    def load_random_states(self, states: dict[str, torch.Tensor]) -> None:
+        for s, tp in zip(self.stage_indices, self.tensor_parallel, strict=True):
+            tp.rng.state = states[f"tensor_parallel_dropout/{s}"].clone()
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's name in the dense TinyGPT, from its name under the wrappers (``0.module.blocks.1...`` or
+    ``module.blocks.1...``)."""
+    head, _, rest = name.partition("module.")
+    return rest if head == "" or head.rstrip(".").isdigit() else name
+
+
+def parallelize(model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1f1b", microbatches: int = 1,
+                virtual_stages: int = 2, micro_batch_size: int, seq_len: int, bucket_cap_mb: float = 25.0,
+                seed: int | None = None) -> Parallel3D:
+    """``model`` split over ``mesh``: pipeline stages over pp, tensor parallelism over tp, then DDP (``zero=0``),
+    ZeRO-1/2 or FSDP (``zero=3``) over dp; see the module docstring.  A collective: every rank calls it with
+    the same model (the same weights) and arguments.  ``schedule``: one of :data:`SCHEDULES`, over
+    ``microbatches`` micro-batches of ``micro_batch_size`` sequences of ``seq_len`` tokens; ``virtual_stages``:
+    stages per rank of the interleaved schedule.  ``seed``: tensor parallelism's dropout generator (see
+    :func:`~labkit.parallel.tensor.parallelize_tensor`)."""
+    return Parallel3D(model, mesh, zero=zero, schedule=schedule, microbatches=microbatches,
+                      virtual_stages=virtual_stages, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                      bucket_cap_mb=bucket_cap_mb, seed=seed)

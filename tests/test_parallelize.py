@@ -1,0 +1,231 @@
+"""3D parallelism (labkit.parallel.parallelize, labkit.train --dp/--tp/--pp) against one process.
+
+Every layout of the issue runs on 8 gloo ranks with TinyGPT's 100k preset, 5 steps, over the same global batch
+as one process: the loss trajectory within 1e-5 and the same final weights.  The layouts share one launch of 8
+ranks (each makes its own Mesh), so the suite pays for the ranks' start-up once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import launch
+from labkit.costmodel.memory import memory_per_rank
+from labkit.models import GPTConfig, TinyGPT
+from labkit.train import TrainConfig, build, main, parse_arguments
+
+CONFIG = GPTConfig.preset("100k", tie_weights=False)
+STEPS, BATCH, MICRO = 5, 4, 2  # per data-parallel rank: BATCH sequences in MICRO micro-batches
+LR = 0.3
+
+# (dp, tp, pp, zero, schedule): the issue's five layouts, then every data-parallel wrapper and schedule at 2x2x2
+LAYOUTS = [(2, 2, 2, 0, "1f1b"), (1, 2, 4, 0, "1f1b"), (4, 1, 2, 0, "1f1b"), (2, 4, 1, 0, "1f1b"),
+           (8, 1, 1, 0, "1f1b"), (2, 2, 2, 1, "1f1b"), (2, 2, 2, 2, "1f1b"), (2, 2, 2, 3, "1f1b"),
+           (2, 2, 2, 0, "gpipe"), (2, 2, 2, 3, "gpipe"), (2, 2, 2, 0, "interleaved"), (2, 2, 2, 2, "interleaved"),
+           (2, 2, 2, 0, "zb-h1"), (2, 2, 2, 1, "zb-h1"), (1, 2, 4, 2, "zb-h1")]
+
+
+def _batch(step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel rank ``dp_rank``'s rows of step ``step``'s global batch of ``dp * BATCH`` sequences."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(CONFIG.vocab_size, (dp * BATCH, CONFIG.block_size + 1), generator=generator)
+    rows = ids[dp_rank * BATCH:(dp_rank + 1) * BATCH]
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _optimizer(parameters, cls=torch.optim.SGD):
+    return cls(parameters, lr=LR, momentum=0.9) if cls is torch.optim.SGD else cls(parameters, lr=3e-3)
+
+
+def _one_process(dp: int, optimizer_cls=torch.optim.SGD, clip: float | None = None):
+    model = TinyGPT(CONFIG, seed=0)
+    optimizer = _optimizer(model.parameters(), optimizer_cls)
+    losses = []
+    for step in range(STEPS):
+        parts = [_batch(step, rank, dp) for rank in range(dp)]
+        _, loss = model(torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
+        optimizer.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _run_layouts(layouts, optimizer_cls=torch.optim.SGD, clip=None):
+    from labkit.mesh import Mesh
+    from labkit.parallel.parallelize import parallelize
+
+    out = []
+    for dp, tp, pp, zero, schedule in layouts:
+        torch.manual_seed(0)
+        mesh = Mesh(dp=dp, tp=tp, pp=pp)
+        model = parallelize(TinyGPT(CONFIG, seed=0), mesh, zero=zero, schedule=schedule, microbatches=MICRO,
+                            micro_batch_size=BATCH // MICRO, seq_len=CONFIG.block_size)
+        optimizer = model.make_optimizer(optimizer_cls, **({"lr": LR, "momentum": 0.9}
+                                                          if optimizer_cls is torch.optim.SGD else {"lr": 3e-3}))
+        losses = []
+        for step in range(STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(model.forward_backward(*_batch(step, mesh.rank("dp"), dp)).item())
+            if clip is not None:
+                model.clip_grad_norm_(clip)
+            optimizer.step()
+        full = model.full_state_dict()
+        out.append({"losses": losses, "full": full if torch.distributed.get_rank() == 0 else None,
+                    "memory": model.memory_breakdown(), "coords": mesh.coords(),
+                    "communication": model.communication_per_step(),
+                    "predicted": model.predicted_communication()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launch.launch(_run_layouts, LAYOUTS, nprocs=8, timeout=600)
+
+
+def _mean_losses(runs, index):
+    """The global batch's loss: every rank of a replica reports its replica's, so the mean over all ranks."""
+    return [sum(rank[index]["losses"][step] for rank in runs) / len(runs) for step in range(STEPS)]
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=["x".join(map(str, layout[:3]))
+                                                            + f"-zero{layout[3]}-{layout[4]}" for layout in LAYOUTS])
+def test_a_layout_trains_as_one_process_does(runs, index):
+    dp = LAYOUTS[index][0]
+    losses, state = _one_process(dp)
+    assert _mean_losses(runs, index) == pytest.approx(losses, abs=1e-5, rel=0)
+    full = runs[0][index]["full"]
+    assert set(full) == set(state)
+    worst = max((full[name] - state[name]).abs().max().item() for name in state)
+    assert worst < 1e-6, f"final weights differ by {worst:.2e}"
+
+
+def test_every_rank_of_a_replica_reports_the_same_loss(runs):
+    dp, tp, pp, *_ = LAYOUTS[0]
+    by_replica: dict[int, set] = {}
+    for rank in runs:
+        by_replica.setdefault(rank[0]["coords"]["dp"], set()).add(tuple(rank[0]["losses"]))
+    assert len(by_replica) == dp and all(len(losses) == 1 for losses in by_replica.values())
+
+
+def test_communication_counted_per_dimension_matches_the_prediction(runs):
+    for index in (0, 5, 7):  # DDP, ZeRO-1, FSDP at 2x2x2
+        for rank in runs:
+            measured, predicted = rank[index]["communication"], rank[index]["predicted"]
+            assert measured == predicted, (LAYOUTS[index], rank[index]["coords"])
+            assert {"tp all_reduce", "pp send"} <= set(measured)
+
+
+def test_memory_per_rank_beside_the_memory_model(runs, capsys):
+    """Measured model-state bytes of 2x2x2 with ZeRO-1 and with FSDP, beside memory_per_rank with those degrees.
+
+    The model spreads the parameters evenly over the t p model-parallel ranks; the real split is uneven (the
+    embedding on the first stage, the head on the last, norms and some biases whole on every tp rank), so the
+    mean over the ranks is held to the model, and each rank to within 2x."""
+    psi = sum(p.numel() for p in TinyGPT(CONFIG).parameters())
+    lines = []
+    for index, zero in ((5, 1), (7, 3)):
+        model = memory_per_rank(psi, precision="fp32", optimizer="adam", zero_stage=zero, dp_degree=2,
+                                tp_degree=2, pp_degree=2)
+        predicted = model["weights"] + model["gradients"] + model["optimizer_states"]
+        measured = [sum(rank[index]["memory"].values()) for rank in runs]
+        mean = sum(measured) / len(measured)
+        lines.append(f"2x2x2 ZeRO-{zero}: measured per rank {[round(m / 1024) for m in measured]} KiB, mean "
+                     f"{mean / 1024:.0f} KiB; model {predicted / 1024:.0f} KiB")
+        assert abs(mean / predicted - 1) < 0.25, lines[-1]
+        assert all(0.5 < m / predicted < 2 for m in measured), lines[-1]
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+
+
+def test_adamw_and_clipping_keep_the_trajectory():
+    layouts = [(2, 2, 2, 1, "1f1b"), (2, 2, 2, 3, "1f1b"), (1, 2, 4, 2, "1f1b")]
+    runs = launch.launch(_run_layouts, layouts, torch.optim.AdamW, 0.5, nprocs=8, timeout=600)
+    for index, layout in enumerate(layouts):
+        losses, _ = _one_process(layout[0], torch.optim.AdamW, clip=0.5)
+        assert _mean_losses(runs, index) == pytest.approx(losses, abs=1e-5, rel=0), layout
+
+
+# --------------------------------------------------------------------------------------------------------
+# The trainer
+
+
+def _train(configs):
+    from labkit.train import train
+    return [train(config) for config in configs]
+
+
+def test_the_trainer_runs_3d_as_one_process_runs_the_global_batch():
+    """labkit.train's 3D path (AdamW, its own data) against one process fed every replica's batches."""
+    config = TrainConfig(dp=2, tp=2, pp=2, steps=4, batch_size=4, microbatches=2, log_every=100)
+    result = launch.launch(_train, [config], nprocs=8, timeout=600, rank_output="none")
+    reference = TrainConfig(steps=4, batch_size=4)
+    model = TinyGPT(config.gpt_config(), seed=0)
+    batches = [build(reference, rank, 2)[1] for rank in range(2)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    losses = []
+    for step in range(1, 5):
+        parts = [batch(step) for batch in batches]
+        _, loss = model(torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    mean = [sum(rank[0]["losses"][k] for rank in result) / 8 for k in range(4)]
+    assert mean == pytest.approx(losses, abs=1e-5, rel=0)
+    # Adam divides by the root of the squared gradients: rounding-level differences of tiny gradients move the
+    # weights by up to ~1e-4 (SGD, above, keeps them within 1e-6), so the sum is compared to 1e-6 relative.
+    checksum = float(sum(t.double().sum() for t in model.state_dict().values()))
+    assert result[0][0]["checksum"] == pytest.approx(checksum, rel=1e-6)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--dp", "2", "--tp", "2", "--pp", "2", "--nprocs", "4"], "dp * tp * pp must equal the number of ranks"),
+    (["--tp", "3", "--nprocs", "3"], "n_head=4 and n_embd=48 must both be divisible by 3"),
+    (["--pp", "3", "--nprocs", "3"], "n_layer=4 is not divisible by num_stages=3"),
+    (["--tp", "2", "--pp", "2", "--nprocs", "6"], "does not divide the 6 ranks"),
+    (["--dp", "2", "--pp", "2", "--zero", "3", "--schedule", "zb-h1"], "FSDP (zero=3) cannot run the zb-h1"),
+    (["--dp", "2", "--pp", "2", "--zero", "3", "--schedule", "interleaved"], "FSDP (zero=3) cannot run the"),
+    (["--dp", "2", "--pp", "2", "--microbatches", "3"], "must split into 3 equal micro-batches"),
+    (["--dp", "1", "--pp", "2", "--schedule", "pipedream"], "schedule must be one of"),
+    (["--dp", "2", "--zero", "4"], "zero must be one of"),
+    (["--strategy", "ddp", "--tp", "2"], "--strategy ddp and --dp/--tp/--pp: choose one"),
+    (["--tp", "2", "--model", "tiny-mlp", "--nprocs", "2"], "use --model tiny-gpt"),
+    (["--dp", "2", "--zero", "2", "--precision", "fp16"], "ZeRO-2"),
+    (["--tp", "2", "--nprocs", "2", "--checkpoint-layout", "sharded"], "full checkpoint layout only"),
+    (["--tp", "2", "--pp", "2"], "needs --nprocs N"),
+    (["--zero", "1"], "give --dp/--tp/--pp too"),
+    (["--precision", "fp8"], "--precision must be one of"),
+])
+def test_bad_layouts_are_refused_before_any_process_starts(argv, message, capsys):
+    with pytest.raises(ValueError, match=None) as error:
+        parse_arguments(argv)
+    assert message in str(error.value)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_interleaved_layout_fills_in_dp_and_the_microbatches():
+    config, nprocs = parse_arguments(["--tp", "2", "--pp", "2", "--nprocs", "8", "--schedule", "interleaved"])
+    assert (config.dp, config.tp, config.pp, config.microbatches, nprocs) == (2, 2, 2, 4, 8)
+
+
+def test_a_3d_run_resumes_bit_for_bit_and_its_checkpoint_moves_to_fsdp(tmp_path):
+    """A full checkpoint of 2x2x2 with ZeRO-1 (saved at step 3 of 6): resumed as it was, the same losses and
+    weights to the last bit as the run that never stopped; resumed with FSDP over dp instead (the optimizer's
+    moments gathered over dp, tp and pp, then cut again), the same trajectory within 1e-5."""
+    common = {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "steps": 6, "batch_size": 4, "log_every": 100}
+    straight = TrainConfig(**common)
+    first = TrainConfig(**common, checkpoint_dir=str(tmp_path), save_every=3)
+    saved = str(tmp_path / "step-00000003")
+    again = TrainConfig(**common, resume=saved)
+    moved = TrainConfig(**{**common, "zero": 3}, resume=saved)
+    results = launch.launch(_train, [straight, first, again, moved], nprocs=8, timeout=600, rank_output="none")
+    for rank in results:
+        expected, _, resumed, as_fsdp = rank
+        assert resumed["losses"] == expected["losses"][3:]
+        assert resumed["checksum"] == expected["checksum"]
+        assert as_fsdp["losses"] == pytest.approx(expected["losses"][3:], abs=1e-5, rel=0)
