@@ -55,7 +55,6 @@ needs::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -64,7 +63,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -74,124 +73,16 @@ from torch import nn
 
 from labkit import checkpoint, data, dist, launch, precision, trace
 from labkit.mesh import Mesh
-from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
+from labkit.models import MLPConfig, TinyGPT, TinyMLP
 from labkit.parallel.base import ParallelWrapper, SingleProcess
 from labkit.parallel.ddp import DistributedDataParallel
 from labkit.parallel.fsdp import FullyShardedDataParallel
-from labkit.parallel.parallelize import SCHEDULES, check_3d, parallelize
+from labkit.parallel.parallelize import DP_WRAPPERS, parallelize
 from labkit.parallel.zero import ZeroDataParallel
+from labkit.train_config import MODELS, PRECISIONS, STRATEGY_NAMES, TrainConfig, parse_arguments
 
-MODELS = ("tiny-gpt", "tiny-mlp")
-PRECISIONS = ("fp32", "bf16", "fp16")
 MiB = 1024 * 1024
-
-
-@dataclass
-class TrainConfig:
-    strategy: str = "single"
-    model: str = "tiny-gpt"
-    preset: str = "100k"
-    steps: int = 200
-    batch_size: int = 16  # per rank
-    lr: float = 3e-3
-    seed: int = 0
-    bucket_cap_mb: float = 25.0
-    clip_grad_norm: float | None = None
-    log_every: int = 20
-    checkpoint_dir: str | None = None
-    save_every: int | None = None
-    checkpoint_layout: str = "full"  # or "sharded": every rank writes its own shard (labkit.checkpoint)
-    resume: str | None = None  # a checkpoint directory, or "latest" (the newest in checkpoint_dir)
-    dp: int | None = None  # 3D parallelism (any of dp, tp, pp given): the mesh's degrees
-    tp: int | None = None
-    pp: int | None = None
-    zero: int = 0  # 3D: the data-parallel wrapper, 0 DDP, 1/2 ZeRO-1/2, 3 FSDP
-    schedule: str = "1f1b"
-    microbatches: int | None = None  # per step; default 2 pp (1 without a pipeline)
-    virtual_stages: int = 2  # stages per rank of the interleaved schedule
-    precision: str = "fp32"
-    trace: str | None = None  # write a Chrome trace of the last step here
-    log_dir: str | None = None  # each rank's progress in DIR/rank-R.log
-
-    @property
-    def three_d(self) -> bool:
-        return any(degree is not None for degree in (self.dp, self.tp, self.pp))
-
-    def gpt_config(self) -> GPTConfig:
-        """The model's config; a pipeline of several stages cannot tie the embedding to the head."""
-        return GPTConfig.preset(self.preset, **({"tie_weights": False} if (self.pp or 1) > 1 else {}))
-
-    def default_microbatches(self) -> int:
-        """``--microbatches``, or by default two per pipeline stage (1 without a pipeline)."""
-        if self.microbatches is not None:
-            return self.microbatches
-        return 2 * self.pp if (self.pp or 1) > 1 else 1
-
-    def resolve(self, world_size: int) -> None:
-        """3D: fill in the degrees left out (1, or for dp what ``world_size`` leaves) and the micro-batches,
-        then check the layout against ``world_size`` (``ValueError`` naming what does not fit)."""
-        if not self.three_d:
-            return
-        tp, pp = self.tp or 1, self.pp or 1
-        for name, value in (("tp", tp), ("pp", pp), ("dp", self.dp or 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name} must be an integer >= 1, got {value!r}")
-        if self.dp is None:
-            if world_size % (tp * pp):
-                raise ValueError(f"--tp {tp} * --pp {pp} = {tp * pp} does not divide the {world_size} ranks, so "
-                                 "no data-parallel degree fits")
-            self.dp = world_size // (tp * pp)
-        self.tp, self.pp = tp, pp
-        self.microbatches = self.default_microbatches()
-        check_3d(self.gpt_config(), self.dp, tp, pp, zero=self.zero, schedule=self.schedule,
-                 microbatches=self.microbatches, virtual_stages=self.virtual_stages, batch_size=self.batch_size,
-                 world_size=world_size)
-
-    def validate(self) -> None:
-        """Raise ValueError naming the bad value, before any process starts."""
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"--strategy must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
-        if self.model not in MODELS:
-            raise ValueError(f"--model must be one of {MODELS}, got {self.model!r}")
-        if self.model == "tiny-gpt":
-            GPTConfig.preset(self.preset)  # raises on an unknown preset
-        for name in ("steps", "batch_size", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        if self.bucket_cap_mb < 0:
-            raise ValueError(f"--bucket-cap-mb must be >= 0, got {self.bucket_cap_mb}")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ValueError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
-        if self.save_every is not None and (self.save_every < 1 or self.checkpoint_dir is None):
-            raise ValueError(f"--save-every must be >= 1 and needs --checkpoint-dir, got {self.save_every} with "
-                             f"--checkpoint-dir {self.checkpoint_dir}")
-        if self.checkpoint_layout not in checkpoint.LAYOUTS:
-            raise ValueError(f"--checkpoint-layout must be one of {checkpoint.LAYOUTS}, got {self.checkpoint_layout!r}")
-        if self.resume == "latest" and self.checkpoint_dir is None:
-            raise ValueError("--resume latest needs --checkpoint-dir (where to look for the newest checkpoint)")
-        if self.resume not in (None, "latest") and not Path(self.resume).is_dir():
-            raise ValueError(f"--resume {self.resume}: no such checkpoint directory")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.precision == "fp16" and (self.strategy == "zero2" or (self.three_d and self.zero == 2)):
-            raise ValueError("--precision fp16 needs a loss scaler, which unscales the optimizer's gradients; ZeRO-2 "
-                             "keeps them in its shards where it does not look: use bf16, or another --zero")
-        if self.three_d:
-            if self.strategy != "single":
-                raise ValueError(f"--strategy {self.strategy} and --dp/--tp/--pp: choose one (with the degrees, "
-                                 "--zero picks the data-parallel wrapper: 0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP)")
-            if self.model != "tiny-gpt":
-                raise ValueError(f"--dp/--tp/--pp split a transformer: use --model tiny-gpt, not {self.model}")
-            if self.checkpoint_layout != "full":
-                raise ValueError("a 3D run saves the full checkpoint layout only (--checkpoint-layout full)")
-            check_3d(self.gpt_config(), self.dp or 1, self.tp or 1, self.pp or 1, zero=self.zero,
-                     schedule=self.schedule, microbatches=self.default_microbatches(),
-                     virtual_stages=self.virtual_stages, batch_size=self.batch_size)
-        elif (self.zero, self.schedule, self.microbatches) != (0, "1f1b", None):
-            raise ValueError("--zero, --schedule and --microbatches belong to 3D runs: give --dp/--tp/--pp too")
-
+__all__ = ["MODELS", "PRECISIONS", "STRATEGIES", "TrainConfig", "build", "main", "parse_arguments", "train"]
 
 # The one place that knows the wrappers: a strategy's name -> how to wrap a plain model over the mesh.
 STRATEGIES: dict[str, Callable[[nn.Module, Mesh | None, TrainConfig], ParallelWrapper]] = {
@@ -204,6 +95,7 @@ STRATEGIES: dict[str, Callable[[nn.Module, Mesh | None, TrainConfig], ParallelWr
         model, stage=2, bucket_cap_mb=config.bucket_cap_mb, group=mesh.group("dp")),
     "fsdp": lambda model, mesh, config: FullyShardedDataParallel(model, group=mesh.group("dp")),
 }
+assert tuple(STRATEGIES) == STRATEGY_NAMES
 
 
 def build(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1
@@ -244,7 +136,8 @@ def _wrap(plain: nn.Module, mesh: Mesh | None, config: TrainConfig) -> ParallelW
 
 def train(config: TrainConfig) -> dict:
     """Run on every rank (or alone): returns this rank's loss history, step time, bytes communicated per step,
-    model-state bytes held, a checksum of the unsharded parameters, and its mesh coordinates."""
+    model-state bytes held, a checksum of the unsharded parameters, its mesh coordinates and, on rank 0 with
+    ``--trace``, every rank's spans of the last step."""
     device = dist.device()
     if (config.strategy != "single" or config.three_d) and not dist.is_initialized():
         raise ValueError(f"--strategy {config.strategy} needs several ranks: pass --nprocs N, or run under torchrun")
@@ -265,13 +158,14 @@ def train(config: TrainConfig) -> dict:
     log = _rank_log(config, mesh)
     if dist.is_main():
         size = sum(p.numel() for p in plain.parameters())
-        layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}, {_DP_NAMES[config.zero]} over dp, "
+        layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}, {DP_WRAPPERS[config.zero]} over dp, "
                   f"{config.schedule} with {config.microbatches} micro-batches" if config.three_d
                   else config.strategy)
         print(f"labkit.train: {layout} on {world} rank(s) ({dist.backend() or 'no process group'}, {device}) in "
               f"{config.precision}; {config.model} {size:,} parameters; global batch {config.batch_size * replicas}"
               + (f"; loss floor {floor:.3f} nats" if floor is not None else ""), flush=True)
     history: list[float] = []
+    spans: list[trace.Span] | None = None
     began = time.perf_counter()
     for step in range(start + 1, config.steps + 1):
         _maybe_killed(step)
@@ -290,7 +184,7 @@ def train(config: TrainConfig) -> dict:
             scaler.step(optimizer)
             scaler.update()
         if traced:
-            _write_trace(config.trace)
+            spans = _write_trace(config.trace)
         history.append(loss.item())
         if log is not None:
             log.write(f"step {step} loss {history[-1]:.6f} {1e3 * (time.perf_counter() - began) / len(history):.1f} "
@@ -315,10 +209,8 @@ def train(config: TrainConfig) -> dict:
     return {"rank": dist.rank(), "losses": history, "ms_per_step": 1e3 * seconds / max(1, len(history)),
             "communication": model.communication_per_step(), "memory": model.memory_breakdown(),
             "checksum": checksum, "coords": mesh.coords() if mesh else {"pp": 0, "dp": 0, "tp": 0},
-            "local_rank": dist.local_rank(), "node": int(os.environ.get("GROUP_RANK", "0"))}
-
-
-_DP_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
+            "local_rank": dist.local_rank(), "node": int(os.environ.get("GROUP_RANK", "0")),
+            "trace": spans}  # --trace: every rank's spans of the last step, on rank 0
 
 
 def _rank_log(config: TrainConfig, mesh: Mesh | None) -> Any:
@@ -334,14 +226,16 @@ def _rank_log(config: TrainConfig, mesh: Mesh | None) -> Any:
     return log
 
 
-def _write_trace(path: str) -> None:
-    """Gather every rank's spans of the step just traced to rank 0, which writes them as a Chrome trace."""
+def _write_trace(path: str) -> list[trace.Span] | None:
+    """Gather every rank's spans of the step just traced to rank 0, which writes them as a Chrome trace and
+    returns them (``None`` elsewhere)."""
     spans = trace.gather()
     trace.disable()
     if dist.is_main():
         written = trace.write_chrome_trace(spans, path)
         print(f"trace of the last step ({len(spans)} spans, every rank) written to {written}: open it in "
               "ui.perfetto.dev or chrome://tracing", flush=True)
+    return spans
 
 
 def _log(step: int, config: TrainConfig, loss: torch.Tensor, floor: float | None, elapsed: float,
@@ -391,56 +285,6 @@ def _maybe_killed(step: int) -> None:
         rank, _, at = target.partition(":")
         if int(rank) == dist.rank() and int(at) == step:
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
-    parser = argparse.ArgumentParser(prog="python -m labkit.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="single", help=f"one of {', '.join(STRATEGIES)}")
-    parser.add_argument("--model", default="tiny-gpt", help=f"one of {', '.join(MODELS)}")
-    parser.add_argument("--preset", default="100k", help="TinyGPT size: 100k, 1m, 10m or 50m")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp, zero1, zero2: MiB per bucket")
-    parser.add_argument("--clip-grad-norm", type=float, default=None,
-                        help="clip the gradients' global norm to this value (every strategy; default: no clipping)")
-    parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--checkpoint-dir", default=None,
-                        help="directory of checkpoints (step-NNNNNNNN), saved every --save-every steps and at the end")
-    parser.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
-    parser.add_argument("--checkpoint-layout", default="full", help="full (rank 0 writes) or sharded (every rank)")
-    parser.add_argument("--resume", default=None, help="a checkpoint directory, or 'latest' in --checkpoint-dir")
-    parser.add_argument("--dp", type=int, default=None, help="3D: data-parallel degree (default: what is left)")
-    parser.add_argument("--tp", type=int, default=None, help="3D: tensor-parallel degree (default 1)")
-    parser.add_argument("--pp", type=int, default=None, help="3D: pipeline stages (ranks; default 1)")
-    parser.add_argument("--zero", type=int, default=0, help="3D: over dp, 0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP")
-    parser.add_argument("--schedule", default="1f1b", help=f"3D: pipeline schedule, one of {', '.join(SCHEDULES)}")
-    parser.add_argument("--microbatches", type=int, default=None,
-                        help="3D: micro-batches per step, dividing --batch-size (default 2 x pp, or 1)")
-    parser.add_argument("--virtual-stages", type=int, default=2, help="3D, interleaved: stages per rank")
-    parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
-    parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the last step to this file")
-    parser.add_argument("--log-dir", default=None, help="each rank appends its progress to DIR/rank-R.log")
-    parser.add_argument("--nprocs", type=int, default=None,
-                        help="ranks to fork on this machine (default: 2 for ddp, 1 for single, dp x tp x pp for 3D; "
-                             "ignored under torchrun)")
-    args = parser.parse_args(argv)
-    config = TrainConfig(**{key: value for key, value in vars(args).items() if key != "nprocs"})
-    config.validate()
-    if args.nprocs is not None:
-        nprocs = args.nprocs
-    elif config.three_d:
-        if None in (config.dp, config.tp, config.pp) and not dist.in_torchrun():
-            raise ValueError("a 3D run needs --nprocs N (or all of --dp, --tp and --pp, whose product it is)")
-        nprocs = (config.dp or 1) * (config.tp or 1) * (config.pp or 1)
-    else:
-        nprocs = 1 if config.strategy == "single" else 2
-    if nprocs < 1:
-        raise ValueError(f"--nprocs must be >= 1, got {nprocs}")
-    world = int(os.environ["WORLD_SIZE"]) if dist.in_torchrun() and "WORLD_SIZE" in os.environ else nprocs
-    config.resolve(world)  # every check of the layout, before any process starts
-    return config, nprocs
 
 
 def main(argv: list[str] | None = None) -> int:

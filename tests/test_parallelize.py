@@ -229,3 +229,43 @@ def test_a_3d_run_resumes_bit_for_bit_and_its_checkpoint_moves_to_fsdp(tmp_path)
         assert resumed["losses"] == expected["losses"][3:]
         assert resumed["checksum"] == expected["checksum"]
         assert as_fsdp["losses"] == pytest.approx(expected["losses"][3:], abs=1e-5, rel=0)
+
+
+def test_a_traced_3d_step_shows_every_dimension_on_every_rank(tmp_path):
+    """labkit.train --trace: one Chrome trace of the last step with every rank's pipeline actions, tensor-parallel
+    all-reduces, bubbles and data-parallel reduction; step_breakdown splits each rank's step into them."""
+    import json
+
+    from labkit.parallel.parallelize import PARTS, step_breakdown
+
+    path = tmp_path / "step.json"
+    config = TrainConfig(dp=2, tp=2, pp=2, steps=2, batch_size=4, microbatches=2, log_every=100, trace=str(path))
+    results = launch.launch(_train, [config], nprocs=8, timeout=600, rank_output="none")
+    spans = results[0][0]["trace"]
+    assert all(result[0]["trace"] is None for result in results[1:])
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {event["pid"] for event in events if event.get("ph") == "X"} == set(range(8))
+    parts = step_breakdown(spans)
+    assert sorted(parts) == list(range(8))
+    for rank, seconds in parts.items():
+        assert set(seconds) == {*PARTS, "step"}
+        assert seconds["compute"] > 0 and seconds["tp communication"] > 0 and seconds["dp reduction"] > 0, rank
+        assert sum(seconds[part] for part in PARTS) == pytest.approx(seconds["step"], rel=1e-6), rank
+        names = {span.name for span in spans if span.rank == rank}
+        stage = results[rank][0]["coords"]["pp"]
+        assert {f"{stage}F0", f"{stage}F1", f"{stage}B0", f"{stage}B1"} <= names
+    # the last stage waits for its first activation: a bubble on every rank of pp-rank 1
+    assert all(parts[rank]["bubble"] > 0 for rank in range(4, 8))
+
+
+def test_step_breakdown_subtracts_the_collectives_inside_an_action():
+    from labkit.parallel.parallelize import step_breakdown
+    from labkit.trace import Span
+
+    spans = [Span(0, "wait 0F0", "bubble", 0.0, 1.0), Span(0, "0F0", "compute", 1.0, 3.0),
+             Span(0, "all_reduce blocks.0.attn g", "comm", 1.5, 2.0), Span(0, "dp all-reduce gradients", "comm",
+                                                                            3.0, 4.0),
+             Span(0, "all-reduce bucket 0", "comm", 3.1, 3.5), Span(0, "optimizer step", "compute", 4.0, 4.5)]
+    parts = step_breakdown(spans)[0]
+    assert parts == {"compute": 1.5, "tp communication": 0.5, "bubble": 1.0, "dp reduction": 1.0,
+                     "optimizer": 0.5, "other": 0.0, "step": 4.5}

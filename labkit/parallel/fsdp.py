@@ -356,9 +356,8 @@ class FullyShardedDataParallel(ParallelWrapper):
                    for t in (*flat.full_parameters, flat.gathering) if t is not None)
 
     def predicted_communication(self, forwards: int = 1, root_gathers: int = 1) -> dict[str, int]:
-        """Bytes entering each collective in one step: every unit's padded buffer gathered twice per forward and
-        backward (``forwards`` of each: a pipeline's micro-batches), the root ``root_gathers`` times (it stays
-        gathered while any forward awaits its backward), every trainable one reduce-scattered once."""
+        """Bytes into each collective in a step of ``forwards`` forwards and backwards: every unit gathered twice
+        each, the root ``root_gathers`` times (kept while a backward is due), every trainable one scattered once."""
         gathers = sum((root_gathers if unit.is_root else 2 * forwards) * flat.layout.padded_numel
                       for unit in self.units for flat in unit.flats)
         scatters = sum(flat.layout.padded_numel for unit in self.units for flat in unit.flats if flat.requires_grad)

@@ -47,8 +47,9 @@ all of this rank's stages, so they run with every schedule.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from labkit import trace
 from labkit.dist import global_rank
 from labkit.mesh import Mesh, _check_degrees
 from labkit.models import GPTConfig, TinyGPT
+from labkit.parallel import parallelize_state as threed_state
 from labkit.parallel.base import ParallelWrapper, Piece
 from labkit.parallel.ddp import DistributedDataParallel
 from labkit.parallel.fsdp import FullyShardedDataParallel
@@ -66,7 +68,6 @@ from labkit.parallel.pipeline import schedule as schedules
 from labkit.parallel.pipeline.runtime import run_schedule
 from labkit.parallel.pipeline.simulate import Timeline
 from labkit.parallel.pipeline.stage import PipelineStage, split_stages
-from labkit.parallel.tensor.state import local_part
 from labkit.parallel.tensor.transformer import TensorParallel, check_tensor_parallel_sizes
 from labkit.parallel.zero import ZeroDataParallel
 
@@ -276,7 +277,7 @@ class Parallel3D(ParallelWrapper):
     def gradients(self) -> dict[str, torch.Tensor | None]:
         """``{name: this rank's gradient}`` under the dense model's names: its slice of every split parameter
         (ZeRO-2 and FSDP: this rank's piece of that slice), and the replicated ones whole."""
-        return {_plain_name(name): grad for name, grad in self.data_parallel.gradients().items()}
+        return {threed_state.plain_name(name): grad for name, grad in self.data_parallel.gradients().items()}
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -305,96 +306,21 @@ class Parallel3D(ParallelWrapper):
             g.mul_(coefficient.to(g.dtype))
         return total
 
-    # -- dense states: gathered over dp (FSDP), tp (the slices) and pp (the stages) ---------------------------
+    # -- dense states: gathered over dp (FSDP), tp (the slices) and pp (the stages) ----------------------------
 
-    def _local_dense(self) -> list[dict[str, torch.Tensor]]:
-        """Per stage of this rank, its tensor-parallel slices, unsharded over dp (collective over dp with FSDP)."""
-        if self.zero == 3:
-            return [{_plain_name(k): v for k, v in self.data_parallel.full_state_dict().items()}]
-        return [tp.module.state_dict() for tp in self.tensor_parallel]
-
-    def _gather_tp(self, tp: TensorParallel, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tp._gather(name, tensor) if name in self.split else tensor.clone()
-
-    def _gather_pp(self, per_stage: dict[int, Any]) -> list[Any]:
-        """Every stage's entry, in stage order, on every rank (an object all-gather over the pp group)."""
-        everyone: list[Any] = [None] * self.mesh.pp
-        dist.all_gather_object(everyone, per_stage, group=self.mesh.group("pp"))
-        merged = {stage: entry for part in everyone for stage, entry in part.items()}
-        return [merged[stage] for stage in sorted(merged)]
-
-    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective (every rank): the dense TinyGPT's ``state_dict()``."""
-        mine = {s: {name: self._gather_tp(tp, name, t).cpu() for name, t in local.items()}
-                for s, tp, local in zip(self.stage_indices, self.tensor_parallel, self._local_dense(), strict=True)}
-        device = self.stages[0].device
-        return {name: t.to(device) for part in self._gather_pp(mine) for name, t in part.items()}
+        return threed_state.full_state_dict(self)
 
-    def _tp_local_shapes(self) -> list[dict[str, torch.Size]]:
-        return [{name: t.shape for name, t in local.items()} for local in self._local_dense()]
-
-    @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        shapes = self._tp_local_shapes()
-        local = [{name: local_part(tp, name, state[name], shape[name]) if name in self.split else state[name]
-                  for name in shape} for tp, shape in zip(self.tensor_parallel, shapes, strict=True)]
-        if self.zero == 3:
-            self.data_parallel.load_full_state_dict({f"module.{k}": v for k, v in local[0].items()})
-        else:
-            for tp, part in zip(self.tensor_parallel, local, strict=True):
-                for name, tensor in tp.module.state_dict().items():
-                    tensor.copy_(part[name])
+        threed_state.load_full_state_dict(self, state)
 
-    def _optimizer_names(self) -> list[tuple[int, str]]:
-        """``(local stage, dense name)`` of each parameter of the data-parallel optimizer, in its order."""
-        if self.zero == 3:
-            return [(0, _plain_name(name)) for name, _ in self.data_parallel.module.named_parameters()]
-        return [(int(name.split(".", 1)[0]), _plain_name(name)) for name, _ in self.module.named_parameters()]
-
-    @torch.no_grad()
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Collective: the optimizer's state as one process over the dense TinyGPT would hold it (its parameters
-        in the dense model's order)."""
-        saved = self.data_parallel.full_optimizer_state_dict(optimizer)
-        if len(saved["param_groups"]) != 1:
-            raise ValueError("a 3D model's optimizer has one parameter group")
-        mine: dict[int, dict[str, Any]] = {s: {} for s in self.stage_indices}
-        for position, (local, name) in enumerate(self._optimizer_names()):
-            entries = saved["state"].get(position, saved["state"].get(str(position)))
-            if entries is not None:
-                tp = self.tensor_parallel[local]
-                mine[self.stage_indices[local]][name] = {
-                    key: self._gather_tp(tp, name, value).cpu() if torch.is_tensor(value) and value.dim() else value
-                    for key, value in entries.items()}
-        ordered = [entry for part in self._gather_pp(
-            {s: list(self._stage_parameter_names(i)) for i, s in enumerate(self.stage_indices)}) for entry in part]
-        states = {name: entries for part in self._gather_pp(mine) for name, entries in part.items()}
-        hyper = {key: value for key, value in saved["param_groups"][0].items() if key != "params"}
-        return {"state": {position: states[name] for position, name in enumerate(ordered) if name in states},
-                "param_groups": [{**hyper, "params": list(range(len(ordered)))}]}
+        """Collective: the optimizer's state as one process over the dense TinyGPT would hold it."""
+        return threed_state.full_optimizer_state_dict(self, optimizer)
 
-    def _stage_parameter_names(self, local: int) -> list[str]:
-        return [name for name, _ in self.tensor_parallel[local].module.named_parameters()]
-
-    @torch.no_grad()
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        ordered = [entry for part in self._gather_pp(
-            {s: list(self._stage_parameter_names(i)) for i, s in enumerate(self.stage_indices)}) for entry in part]
-        dense = {name: state["state"].get(position, state["state"].get(str(position)))
-                 for position, name in enumerate(ordered)}
-        shapes = self._tp_local_shapes()
-        local: dict[int, dict[str, Any]] = {}
-        for position, (stage, name) in enumerate(self._optimizer_names()):
-            entries = dense[name]
-            if entries is not None:
-                local[position] = {key: (local_part(self.tensor_parallel[stage], name, value, shapes[stage][name])
-                                         if name in self.split else value.clone())
-                                   if torch.is_tensor(value) and value.dim() else value
-                                   for key, value in entries.items()}
-        hyper = {key: value for key, value in state["param_groups"][0].items() if key != "params"}
-        self.data_parallel.load_full_optimizer_state_dict(optimizer, {
-            "state": local, "param_groups": [{**hyper, "params": list(range(len(self._optimizer_names())))}]})
+        threed_state.load_full_optimizer_state_dict(self, optimizer, state)
 
     def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
         raise NotImplementedError("a 3D model saves the full layout only (checkpoint layout='full'): its pieces "
@@ -410,13 +336,6 @@ class Parallel3D(ParallelWrapper):
             tp.rng.state = states[f"tensor_parallel_dropout/{s}"].clone()
 
 
-def _plain_name(name: str) -> str:
-    """A parameter's name in the dense TinyGPT, from its name under the wrappers (``0.module.blocks.1...`` or
-    ``module.blocks.1...``)."""
-    head, _, rest = name.partition("module.")
-    return rest if head == "" or head.rstrip(".").isdigit() else name
-
-
 def parallelize(model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1f1b", microbatches: int = 1,
                 virtual_stages: int = 2, micro_batch_size: int, seq_len: int, bucket_cap_mb: float = 25.0,
                 seed: int | None = None) -> Parallel3D:
@@ -429,3 +348,41 @@ def parallelize(model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1
     return Parallel3D(model, mesh, zero=zero, schedule=schedule, microbatches=microbatches,
                       virtual_stages=virtual_stages, micro_batch_size=micro_batch_size, seq_len=seq_len,
                       bucket_cap_mb=bucket_cap_mb, seed=seed)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Where a traced step's time went
+
+PARTS = ("compute", "tp communication", "bubble", "dp reduction", "optimizer", "other")
+_ACTION = re.compile(r"\d+[FBIW]\d+")  # a pipeline action's span: stage, kind, micro-batch (e.g. 1B3)
+_TP_COLLECTIVES = ("all_reduce ", "all_gather ", "reduce_scatter ")  # tensor parallelism's f and g
+
+
+def step_breakdown(spans: Sequence[trace.Span]) -> dict[int, dict[str, float]]:
+    """Per rank, the seconds of one traced step (``labkit.train --trace``, or :func:`labkit.trace.gather` around
+    :meth:`Parallel3D.forward_backward` and the optimizer step), split into :data:`PARTS`:
+
+    - ``compute``: the pipeline's F/B/I/W actions, less the tensor-parallel collectives inside them;
+    - ``tp communication``: those collectives (``f`` and ``g``, all-reduces, on the critical path);
+    - ``bubble``: the waits for a neighbouring stage's activation or gradient;
+    - ``dp reduction``: the data-parallel reduction after the schedule; ``optimizer``: its step;
+    - ``other``: the rest of the step (from the rank's first span to its last): sends, Python, gathers.
+    """
+    by_rank: dict[int, list[trace.Span]] = {}
+    for span in spans:
+        by_rank.setdefault(span.rank, []).append(span)
+    result = {}
+    for rank, mine in sorted(by_rank.items()):
+        actions = [s for s in mine if s.kind == "compute" and _ACTION.fullmatch(s.name)]
+        inside = [s for s in mine if s.kind == "comm" and s.name.startswith(_TP_COLLECTIVES)
+                  and any(a.start_s <= s.start_s and s.end_s <= a.end_s for a in actions)]
+        parts = {"compute": sum(a.seconds for a in actions) - sum(s.seconds for s in inside),
+                 "tp communication": sum(s.seconds for s in inside),
+                 "bubble": sum(s.seconds for s in mine if s.kind == "bubble"),
+                 "dp reduction": sum(s.seconds for s in mine if s.kind == "comm" and s.name.startswith("dp ")),
+                 "optimizer": sum(s.seconds for s in mine if s.kind == "compute" and s.name == "optimizer step")}
+        step = max(s.end_s for s in mine) - min(s.start_s for s in mine)
+        parts["other"] = max(0.0, step - sum(parts.values()))
+        parts["step"] = step
+        result[rank] = parts
+    return result
