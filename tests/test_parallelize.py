@@ -269,3 +269,16 @@ def test_step_breakdown_subtracts_the_collectives_inside_an_action():
     parts = step_breakdown(spans)[0]
     assert parts == {"compute": 1.5, "tp communication": 0.5, "bubble": 1.0, "dp reduction": 1.0,
                      "optimizer": 0.5, "other": 0.0, "step": 4.5}
+
+
+def test_bf16_and_fp16_train_a_3d_layout_close_to_fp32():
+    """--precision bf16 (autocast) and fp16 (autocast and a dynamic loss scaler: the last stage back-propagates
+    loss x S, every rank unscales and all agree on overflow) follow the fp32 trajectory of 2x1x2 within what
+    their rounding allows."""
+    configs = [TrainConfig(dp=2, pp=2, steps=6, batch_size=4, log_every=100, precision=precision)
+               for precision in ("fp32", "bf16", "fp16")]
+    results = launch.launch(_train, configs, nprocs=4, timeout=600, rank_output="none")
+    fp32, bf16, fp16 = ([sum(rank[i]["losses"][k] for rank in results) / 4 for k in range(6)] for i in range(3))
+    assert bf16 == pytest.approx(fp32, abs=0.05) and fp16 == pytest.approx(fp32, abs=0.02)
+    assert bf16 != fp32 and fp16 != fp32  # the low precision did run
+    assert fp32[-1] < fp32[0]

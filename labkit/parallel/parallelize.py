@@ -222,8 +222,9 @@ class Parallel3D(ParallelWrapper):
         """The pipeline's point-to-point bytes of the step just run, sent by this rank."""
         one = math.prod(self.stages[0].activation_shape) * self.stages[0].dtype.itemsize
         self._p2p = Counter()
-        for stage in self.stages:
-            self._p2p["pp send"] += one * self.schedule.m * ((not stage.is_last) + (not stage.is_first))
+        sends = sum((not stage.is_last) + (not stage.is_first) for stage in self.stages)
+        if sends:
+            self._p2p["pp send"] = one * self.schedule.m * sends
 
     # -- the contract ----------------------------------------------------------------------------------------
 

@@ -1,0 +1,165 @@
+"""3D parallelism on 8 gloo ranks: labkit's ``parallelize`` beside torch's DDP, and six layouts' step times.
+
+    python benchmarks/bench_3d.py [--quick] [--steps N] [--preset NAME] [--global-batch B]
+
+What is measured: the time of one training step (the pipeline schedule's forwards and backwards with the
+tensor-parallel collectives inside them, the data-parallel reduction, AdamW's step) of
+``TinyGPT(GPTConfig.preset(preset, tie_weights=False))`` on 8 ranks, fp32, one thread per rank
+(``torch.set_num_threads(1)``), the global batch split over the data-parallel replicas and, with a pipeline,
+into ``2 pp`` micro-batches.  A step's time is its slowest rank's (a barrier before each step).
+
+1. **labkit against torch**: ``parallelize`` at dp=8, tp=pp=1 (labkit's DDP under the 3D wrapper, the schedule
+   runtime with one stage) and ``torch.nn.parallel.DistributedDataParallel`` on the same batches from the same
+   weights, alive at once, taking turns step by step (the order flipping every round).  ``labkit / torch`` is
+   paired: the median over rounds of labkit's step over torch's in the same round.
+2. **Six layouts** (8x1x1, 4x2x1, 4x1x2, 2x2x2, 2x4x1, 1x2x4 as dp x tp x pp, DDP over dp, 1F1B): the median
+   step, then one traced step split by ``labkit.parallel.parallelize.step_breakdown`` into compute, tensor-parallel
+   communication, bubble, data-parallel reduction and optimizer (the mean over ranks), and the bytes each rank
+   put into each dimension's collectives in a step (``communication_per_step()``, the mean over ranks).  On 2
+   cores, 8 ranks share the CPU: compute does not shrink with more ranks, and the layouts' order says what
+   their communication and bubbles cost here, not on GPUs (lesson 11's planner predicts both).
+
+The target (labkit / torch <= 1.0 at 8x1x1) is reported as a PASS/FAIL line; the script always exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from labkit import trace
+from labkit.data import MarkovChain, batches
+from labkit.launch import launch
+from labkit.mesh import Mesh
+from labkit.models import GPTConfig, TinyGPT
+from labkit.parallel.parallelize import PARTS, parallelize, step_breakdown
+
+TARGET_RATIO = 1.0
+LR = 3e-4
+LAYOUTS = ((8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (2, 4, 1), (1, 2, 4))
+
+
+def _batch(config: GPTConfig, global_batch: int, dp: int, dp_rank: int, step: int):
+    generator = torch.Generator().manual_seed(step)
+    tokens = MarkovChain(seed=0).sample(20_000, seed=0)
+    x, y = batches(tokens, global_batch, config.block_size, generator)
+    rows = slice(dp_rank * global_batch // dp, (dp_rank + 1) * global_batch // dp)
+    return x[rows], y[rows]
+
+
+def _timed(fn, *args) -> float:
+    """The slowest rank's seconds for ``fn(*args)``, every rank starting together."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn(*args)
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def _against_torch(config: GPTConfig, steps: int, global_batch: int) -> dict:
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    ours = parallelize(TinyGPT(config, seed=0), Mesh(dp=8), microbatches=1, micro_batch_size=global_batch // 8,
+                       seq_len=config.block_size)
+    our_optimizer = ours.make_optimizer(torch.optim.AdamW, lr=LR)
+    theirs = torch.nn.parallel.DistributedDataParallel(TinyGPT(config, seed=0))
+    their_optimizer = torch.optim.AdamW(theirs.parameters(), lr=LR)
+
+    def our_step(x, y):
+        our_optimizer.zero_grad(set_to_none=True)
+        ours.forward_backward(x, y)
+        our_optimizer.step()
+
+    def their_step(x, y):
+        their_optimizer.zero_grad(set_to_none=True)
+        theirs(x, y)[1].backward()
+        their_optimizer.step()
+
+    times: dict[str, list[float]] = {"labkit": [], "torch": []}
+    for step in range(steps + 2):
+        x, y = _batch(config, global_batch, 8, rank, step)
+        order = [("labkit", our_step), ("torch", their_step)]
+        for name, fn in order if step % 2 else order[::-1]:
+            seconds = _timed(fn, x, y)
+            if step >= 2:  # warm-up
+                times[name].append(seconds)
+    return times
+
+
+def _layout(config: GPTConfig, dp: int, tp: int, pp: int, steps: int, global_batch: int) -> dict | None:
+    mesh = Mesh(dp=dp, tp=tp, pp=pp)
+    micro = 2 * pp if pp > 1 else 1
+    model = parallelize(TinyGPT(config, seed=0), mesh, microbatches=micro,
+                        micro_batch_size=global_batch // dp // micro, seq_len=config.block_size)
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=LR)
+
+    def step_of(step: int) -> None:
+        x, y = _batch(config, global_batch, dp, mesh.rank("dp"), step)
+        optimizer.zero_grad(set_to_none=True)
+        model.forward_backward(x, y)
+        with trace.span("optimizer step", "compute"):
+            optimizer.step()
+
+    times = [_timed(step_of, step) for step in range(steps + 2)][2:]
+    trace.enable(coords=mesh)
+    step_of(steps + 2)
+    spans = trace.gather()
+    trace.disable()
+    sent: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sent, model.communication_per_step())
+    if dist.get_rank() != 0:
+        return None
+    parts = step_breakdown(spans)
+    mean = {part: statistics.mean(p[part] for p in parts.values()) for part in (*PARTS, "step")}
+    kinds = sorted({kind for per_rank in sent for kind in per_rank})
+    return {"layout": f"{dp}x{tp}x{pp}", "median_s": statistics.median(times), "parts": mean,
+            "bytes": {kind: statistics.mean(r.get(kind, 0) for r in sent) for kind in kinds}}
+
+
+def _layouts(config: GPTConfig, steps: int, global_batch: int) -> list[dict | None]:
+    torch.set_num_threads(1)
+    return [_layout(config, dp, tp, pp, steps, global_batch) for dp, tp, pp in LAYOUTS]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--preset", default="1m")
+    parser.add_argument("--global-batch", type=int, default=32)
+    args = parser.parse_args()
+    steps = 3 if args.quick else args.steps
+    config = GPTConfig.preset(args.preset, tie_weights=False)
+    print(f"bench_3d: TinyGPT {args.preset} (untied), global batch {args.global_batch} x {config.block_size} "
+          f"tokens, 8 gloo ranks, one thread each, {steps} timed steps after 2 warm-up", flush=True)
+
+    times = launch(_against_torch, config, steps, args.global_batch, nprocs=8, timeout=1800,
+                   rank_output="none")[0]
+    ratios = sorted(a / b for a, b in zip(times["labkit"], times["torch"], strict=True))
+    ratio = statistics.median(ratios)
+    print("\n1. dp=8 (tp=pp=1): labkit parallelize (DDP) against torch DistributedDataParallel")
+    print(f"   median step: labkit {1e3 * statistics.median(times['labkit']):.1f} ms, torch "
+          f"{1e3 * statistics.median(times['torch']):.1f} ms; labkit / torch = {ratio:.2f}x (paired, p25-p75 "
+          f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f})")
+    print(f"   {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}: labkit / torch <= {TARGET_RATIO}")
+
+    rows = launch(_layouts, config, steps, args.global_batch, nprocs=8, timeout=1800, rank_output="none")[0]
+    print("\n2. six layouts (dp x tp x pp), DDP over dp, 1F1B with 2 pp micro-batches; ms per step (traced step's "
+          "parts: mean over ranks)")
+    header = f"   {'layout':>7} {'median':>8} " + " ".join(f"{part:>16}" for part in PARTS) + "   MiB/step by dimension"
+    print(header)
+    for row in rows:
+        sent = ", ".join(f"{kind} {nbytes / 2**20:.2f}" for kind, nbytes in row["bytes"].items())
+        print(f"   {row['layout']:>7} {1e3 * row['median_s']:>8.1f} "
+              + " ".join(f"{1e3 * row['parts'][part]:>16.1f}" for part in PARTS) + f"   {sent}")
+    fastest = min(rows, key=lambda row: row["median_s"])
+    print(f"   fastest here: {fastest['layout']}")
+
+
+if __name__ == "__main__":
+    main()
