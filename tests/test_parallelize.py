@@ -262,6 +262,8 @@ def test_a_traced_3d_step_shows_every_dimension_on_every_rank(tmp_path):
         names = {span.name for span in spans if span.rank == rank}
         stage = results[rank][0]["coords"]["pp"]
         assert {f"{stage}F0", f"{stage}F1", f"{stage}B0", f"{stage}B1"} <= names
+        sent = "activation" if stage == 0 else "gradient"  # the pipeline's sends, forward and back
+        assert any(name.startswith(f"send {sent} of micro-batch 1 to rank") for name in names), rank
     # the last stage waits for its first activation: a bubble on every rank of pp-rank 1
     assert all(parts[rank]["bubble"] > 0 for rank in range(4, 8))
 

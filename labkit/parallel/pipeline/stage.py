@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit import trace
 from labkit.dist import global_rank, require_group
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
@@ -312,7 +313,11 @@ class PipelineStage:
             raise ValueError(f"stage {self.stage} of {self.num_stages} has no stage to send its {what} to")
         self._check_shape(what, tensor)
         tensor = tensor.detach().contiguous()
+        posted = trace.now()
         work = dist.isend(tensor, dst=peer, tag=tag)
+        if trace.is_enabled():  # gloo's point-to-point work has no completion callback: the moment it leaves
+            trace.add(f"send {what} of micro-batch {tag // 2 // self.num_stages} to rank {peer}", "comm", posted,
+                      trace.now())
         self._sends.append((work, tensor))  # the buffer must outlive the send
         return work
 
