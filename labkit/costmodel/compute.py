@@ -17,6 +17,7 @@ time of one step.)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 SECONDS_PER_DAY = 86_400.0
 BYTES_PER_PARAMETER_MIXED_ADAM = 16  # 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master, m, v)
@@ -24,18 +25,27 @@ BYTES_PER_PARAMETER_MIXED_ADAM = 16  # 2 (bf16 weights) + 2 (bf16 gradients) + 1
 
 @dataclass(frozen=True)
 class GPU:
-    """A GPU's memory and dense bf16 peak (vendor datasheet figures, without sparsity)."""
+    """A GPU's memory, dense bf16 peak (fp16 on the V100) and links (vendor datasheet figures, without
+    sparsity).  Bandwidths are bytes per second one GPU can send in one direction: ``nvlink_bandwidth`` to the
+    GPUs of its node, ``network_bandwidth`` (its share of the node's InfiniBand NICs) to other nodes."""
 
     name: str
     memory_bytes: float
     peak_bf16_flops: float
+    nvlink_bandwidth: float = 0.0
+    network_bandwidth: float = 0.0
+    gpus_per_node: int = 8
+    source: str = ""
 
 
 GPUS = {
-    "V100 32GB": GPU("V100 32GB", 32e9, 125e12),
-    "A100 80GB": GPU("A100 80GB", 80e9, 312e12),
-    "H100 80GB": GPU("H100 80GB", 80e9, 989e12),
-    "H200 141GB": GPU("H200 141GB", 141e9, 989e12),
+    # V100 SXM2: 125 TFLOP/s fp16 tensor, NVLink 2 300 GB/s total; DGX-2 nodes of 16, 8x EDR 100 Gb/s per node
+    "V100 32GB": GPU("V100 32GB", 32e9, 125e12, 150e9, 6.25e9, 16, "NVIDIA V100 datasheet; DGX-2 user guide"),
+    # A100 SXM: 312 TFLOP/s bf16, NVLink 3 600 GB/s total (300 each way); DGX A100: 8x HDR 200 Gb/s per node
+    "A100 80GB": GPU("A100 80GB", 80e9, 312e12, 300e9, 25e9, 8, "NVIDIA A100 datasheet; DGX A100 user guide"),
+    # H100 SXM: 989 TFLOP/s bf16 dense, NVLink 4 900 GB/s total (450 each way); DGX H100: 8x NDR 400 Gb/s
+    "H100 80GB": GPU("H100 80GB", 80e9, 989e12, 450e9, 50e9, 8, "NVIDIA H100 datasheet; DGX H100 user guide"),
+    "H200 141GB": GPU("H200 141GB", 141e9, 989e12, 450e9, 50e9, 8, "NVIDIA H200 datasheet (H100's compute)"),
 }
 
 
@@ -64,3 +74,61 @@ def model_state_bytes(parameters: float, bytes_per_parameter: float = BYTES_PER_
     if parameters <= 0:
         raise ValueError(f"parameters must be positive, got {parameters!r}")
     return parameters * bytes_per_parameter
+
+
+# --------------------------------------------------------------------------------------------------------
+# FLOPs of a transformer step (lesson 11)
+
+
+def matmul_parameters_per_layer(shape: Any) -> int:
+    """The weights one layer multiplies each token by (``labkit.costmodel.memory.TransformerShape``): the four
+    attention projections (key and value narrower under grouped-query attention) and the MLP's two (GELU) or
+    three (SwiGLU) matrices.  Biases and norms are left out: their FLOPs are ``O(h)`` per token."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    kv_width = shape.num_kv_heads * (h // shape.num_heads)
+    return 2 * h * h + 2 * h * kv_width + (2 if shape.mlp == "gelu" else 3) * h * f
+
+
+def model_flops_per_step(shape: Any, global_batch: int, seq_len: int | None = None,
+                         recompute: bool = False) -> float:
+    """FLOPs of one training step over ``global_batch`` sequences of ``seq_len`` tokens (default: the shape's).
+
+    Counted as Narayanan et al. 2021 (section 5.1, "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM") count them: per layer and token, ``2`` FLOPs per multiplied weight and ``4 s h``
+    for the attention scores and their weighted sum (``Q K^T`` and ``A V``, the causal mask not exploited); the
+    logits ``2 h V`` per token; backward twice the forward, and with full activation ``recompute`` the layers'
+    forward once more.  For GPT's shape (``f = 4h``, no grouped-query attention) this is their
+    ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` with recomputation and ``72 B s l h^2 (1 + s / 6h + V / 12 l h)``
+    without (:func:`narayanan_flops`).  MFU counts the step without recomputation (the model's FLOPs), whatever
+    the run recomputed; the FLOPs a GPU actually executed (HFU) include it.
+    """
+    s = shape.seq_len if seq_len is None else seq_len
+    if global_batch < 1 or s < 1:
+        raise ValueError(f"global_batch and seq_len must be >= 1, got {global_batch!r} and {s!r}")
+    tokens = global_batch * s
+    layer_forward = tokens * (2 * matmul_parameters_per_layer(shape) + 4 * s * shape.hidden_size)
+    logits_forward = tokens * 2 * shape.hidden_size * shape.vocab_size
+    return shape.num_layers * layer_forward * (4 if recompute else 3) + 3 * logits_forward
+
+
+def narayanan_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: int, recompute: bool = True
+                    ) -> float:
+    """Narayanan et al. 2021's closed form (their equation 3 with recomputation; 72 and 12 without)."""
+    if recompute:
+        return 96 * batch * seq_len * layers * hidden ** 2 * (1 + seq_len / (6 * hidden)
+                                                              + vocab / (16 * layers * hidden))
+    return 72 * batch * seq_len * layers * hidden ** 2 * (1 + seq_len / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def mfu(flops_per_step: float, step_s: float, gpus: int, peak_flops_per_gpu: float) -> float:
+    """Model FLOPs utilisation: the model's FLOPs per second over the GPUs' peak (PaLM, Chowdhery et al. 2022)."""
+    if step_s <= 0 or gpus < 1 or peak_flops_per_gpu <= 0:
+        raise ValueError(f"step_s, gpus and peak_flops_per_gpu must be positive, got {step_s!r}, {gpus!r}, "
+                         f"{peak_flops_per_gpu!r}")
+    return flops_per_step / step_s / (gpus * peak_flops_per_gpu)
+
+
+def tokens_per_second(global_batch: int, seq_len: int, step_s: float) -> float:
+    if step_s <= 0:
+        raise ValueError(f"step_s must be positive, got {step_s!r}")
+    return global_batch * seq_len / step_s
