@@ -18,8 +18,8 @@ fastest and pp slowest::
 On 8 ranks with ``dp = tp = pp = 2``: TP groups ``[0, 1] [2, 3] [4, 5] [6, 7]``, DP groups ``[0, 2] [1, 3]
 [4, 6] [5, 7]``, PP groups ``[0, 4] [1, 5] [2, 6] [3, 7]``.
 
-Complete ``megatron_groups``, then run ``labkit grade`` (lesson 10's notebook, still to be written, will grade
-it in its last cell).  The checks ask for the groups of many layouts (1 to 64 ranks, each dimension alone, degrees that
+Complete ``megatron_groups``, then run the grading cell of ``notebooks/10_3d_parallelism.ipynb`` (or
+``labkit grade``).  The checks ask for the groups of many layouts (1 to 64 ranks, each dimension alone, degrees that
 differ, like ``dp = 3, tp = 4, pp = 2``): that they form a grid at all (every rank once in a group of each
 dimension, of the right size, two ranks sharing at most one group), that every TP group stays inside one node
 of 8 (and of 4) GPUs, and that the groups are Megatron's.  While they run, labkit's ``Mesh`` and its layout

@@ -263,3 +263,95 @@ def test_plot_memory_choices_rejects_bad_input():
         plot_memory_choices([{key: value for key, value in rows[0].items() if key != "activations"}])
     with pytest.raises(ValueError, match="device_memory_bytes.*got -1"):
         plot_memory_choices(rows, device_memory_bytes=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# plot_layout and plot_step_parts
+
+
+def _pixels(figure: Figure, dpi: int = 90):
+    import numpy
+
+    figure.set_dpi(dpi)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    return numpy.asarray(canvas.buffer_rgba())
+
+
+def test_plot_layout_stacks_the_mesh_above_the_memory_bars_pixel_for_pixel():
+    import numpy
+
+    rows = memory_choices(BERT_LARGE, 32, [(4, 4, 2, 1), (32, 1, 1, 1)], micro_batch=8)
+    figure = mesh_plots.plot_layout(4, 4, 2, rows, gpus_per_node=8, highlight_rank=5, device_memory_bytes=32e9)
+    mesh, memory = _pixels(plot_mesh(4, 4, 2, 8, 5)), _pixels(plot_memory_choices(rows, 32e9))
+    whole = _pixels(figure)
+    assert whole.shape[0] == mesh.shape[0] + memory.shape[0]
+    assert whole.shape[1] == max(mesh.shape[1], memory.shape[1])
+    left = (whole.shape[1] - mesh.shape[1]) // 2
+    assert numpy.array_equal(whole[:mesh.shape[0], left:left + mesh.shape[1]], mesh)
+    left = (whole.shape[1] - memory.shape[1]) // 2
+    assert numpy.array_equal(whole[mesh.shape[0]:, left:left + memory.shape[1]], memory)
+    assert len([image for image in figure.images if image.get_gid() == "part"]) == 2
+
+
+def test_plot_layout_refuses_what_its_parts_refuse():
+    rows = memory_choices(BERT_LARGE, 8, [(2, 2, 2, 1)])
+    with pytest.raises(ValueError, match="highlight_rank"):
+        mesh_plots.plot_layout(2, 2, 2, rows, highlight_rank=8)
+    with pytest.raises(ValueError, match="rows is empty"):
+        mesh_plots.plot_layout(2, 2, 2, [])
+
+
+PARTS = {0: {"compute": 0.010, "tp communication": 0.004, "bubble": 0.003, "dp reduction": 0.002,
+             "optimizer": 0.001, "other": 0.0005, "step": 0.0205},
+         1: {"compute": 0.012, "tp communication": 0.002, "bubble": 0.0, "dp reduction": 0.003, "optimizer": 0.001,
+             "other": 0.0, "step": 0.018}}
+
+
+def _bars(figure: Figure) -> list:
+    return [bar for container in figure.axes[0].containers for bar in container]
+
+
+def test_plot_step_parts_stacks_each_ranks_parts_in_milliseconds_and_the_model_under_it():
+    model = {0: {"F and B": 0.014, "bubble": 0.004}, 1: {"F and B": 0.014, "bubble": 0.004}}
+    figure = mesh_plots.plot_step_parts(PARTS, {0: "rank 0 (0, 0, 0)", 1: "rank 1 (1, 0, 0)"}, model)
+    axis = figure.axes[0]
+    bars = _bars(figure)
+    for rank, position in ((0, 0), (1, 1)):
+        measured = sorted((bar for bar in bars if abs(bar.get_y() + bar.get_height() / 2 - position) < 1e-9),
+                          key=lambda bar: bar.get_x())
+        expected = [1e3 * PARTS[rank][part] for part in mesh_plots.STEP_PARTS if PARTS[rank].get(part, 0) > 0]
+        assert [bar.get_width() for bar in measured] == pytest.approx(expected)
+        assert measured[-1].get_x() + measured[-1].get_width() == pytest.approx(1e3 * PARTS[rank]["step"])
+        under = [bar for bar in bars if abs(bar.get_y() + bar.get_height() / 2 - position - 0.42) < 1e-9]
+        assert sorted(bar.get_width() for bar in under) == pytest.approx([4.0, 14.0])
+        assert all(bar.get_hatch() == "//" for bar in under)
+    assert [label.get_text() for label in axis.get_yticklabels()] == ["rank 0 (0, 0, 0)", "rank 1 (1, 0, 0)"]
+    assert axis.get_xlabel() == "time in the step (ms)"
+    legend = [text.get_text() for text in axis.get_legend().get_texts()]
+    assert len(legend) == len(set(legend)) and {"compute", "bubble", "F and B"} <= set(legend)
+
+
+def test_plot_step_parts_rejects_unknown_parts_and_negative_times():
+    with pytest.raises(ValueError, match="parts is empty"):
+        mesh_plots.plot_step_parts({})
+    with pytest.raises(ValueError, match=r"parts\[0\].*'lunch'"):
+        mesh_plots.plot_step_parts({0: {"lunch": 1.0}})
+    with pytest.raises(ValueError, match=r"model\[1\]"):
+        mesh_plots.plot_step_parts(PARTS, model={1: {"bubble": -0.1}})
+
+
+def test_the_layout_explorer_redraws_on_release_for_every_control():
+    import ipywidgets
+
+    from labkit.viz.mesh_widgets import layout_explorer
+    from tests.conftest import check_every_control_redraws
+
+    def move(control) -> None:
+        if isinstance(control, ipywidgets.Dropdown):
+            control.value = next(option for option in control.options if option != control.value)
+        else:
+            control.value = control.value + 1 if control.value < control.max else control.value - 1
+
+    # 8 controls: GPUs, t, p, ZeRO, micro-batch, GPUs per node, device, highlighted rank (tests/test_browser.py)
+    check_every_control_redraws(layout_explorer(), 8, move)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, is_alive, live_descendants
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 
@@ -36,11 +36,24 @@ def _node_command(port: int, trainer: list[str]) -> list[str]:
 
 
 def _start_nodes(port: int, trainer: list[str]) -> list[subprocess.Popen]:
+    """Node 0 first: once its agent hosts the rendezvous store on the port (c10d: the first agent to bind it),
+    node 1, so that which node hosts the store is known."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return [subprocess.Popen([*_node_command(port, trainer)[:3], f"--node_rank={node}",
-                              *_node_command(port, trainer)[3:]], cwd=REPO, env=environment, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-            for node in range(2)]
+    nodes = []
+    for node in range(2):
+        nodes.append(subprocess.Popen([*_node_command(port, trainer)[:3], f"--node_rank={node}",
+                                       *_node_command(port, trainer)[3:]], cwd=REPO, env=environment, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
+        deadline = time.monotonic() + 60
+        while node == 0 and not _listening(port):
+            assert time.monotonic() < deadline and nodes[0].poll() is None, "node 0 never hosted the store"
+            time.sleep(0.2)
+    return nodes
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _finish(nodes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
@@ -55,42 +68,11 @@ def _finish(nodes: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
 def _kill_session(node: subprocess.Popen) -> None:
     """SIGKILL the node: its torchrun agent's session and every process under it (torchrun starts each rank in
     a session of its own, so killing the agent's session alone would leave its ranks running)."""
-    for pid in [node.pid, *_descendants(node.pid)]:
+    for pid in [node.pid, *live_descendants(node.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``, from /proc (children first found, then theirs)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parents.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, queue = [], [pid]
-    while queue:
-        children = parents.get(queue.pop(), [])
-        found += children
-        queue += children
-    return found
-
-
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
 
 
 HEADER = re.compile(r"# rank (\d+) of (\d+) \(pp=(\d+), dp=(\d+), tp=(\d+)\) on node (\d+) .*local rank (\d+)")
@@ -125,7 +107,16 @@ def test_two_torchrun_nodes_train_with_every_tp_group_inside_one_node(dp, tp, pp
         assert {where["node"] for where in placed.values() if where["pp"] == 1} == {1}
 
 
-def test_a_node_that_dies_makes_the_other_exit_with_an_error_and_leaves_nothing_behind(tmp_path):
+# The node that dies, and what the survivor's agent reports: a worker node takes its ranks with it (the survivor's
+# ranks fail in their next collective: ChildFailedError); the node that hosts the c10d rendezvous store takes the
+# store too (the survivor's agent loses it: DistNetworkError).
+DEATHS = {"a worker node": (1, "ChildFailedError"), "the node hosting the rendezvous": (0, "DistNetworkError")}
+
+
+@pytest.mark.parametrize("death", DEATHS)
+def test_a_node_that_dies_makes_the_other_exit_with_an_error_and_leaves_nothing_behind(death, tmp_path):
+    dead, error = DEATHS[death]
+    survivor = 1 - dead
     trainer = ["--dp", "2", "--tp", "2", "--steps", "100000", "--log-every", "1000", "--batch-size", "4",
                "--log-dir", str(tmp_path)]
     nodes = _start_nodes(_free_port(), trainer)
@@ -136,18 +127,18 @@ def test_a_node_that_dies_makes_the_other_exit_with_an_error_and_leaves_nothing_
             assert time.monotonic() < deadline, "the two nodes did not start training"
             assert all(node.poll() is None for node in nodes), [node.communicate() for node in nodes]
             time.sleep(0.5)
-        everyone = [nodes[0].pid, *_descendants(nodes[0].pid), nodes[1].pid, *_descendants(nodes[1].pid)]
+        everyone = [nodes[0].pid, *live_descendants(nodes[0].pid), nodes[1].pid, *live_descendants(nodes[1].pid)]
         assert len(everyone) >= 6, everyone  # two agents and four ranks
         died = time.monotonic()
-        _kill_session(nodes[1])  # the whole node: its agent and its two ranks
-        _, err = nodes[0].communicate(timeout=180)
-        assert nodes[0].returncode != 0
-        assert "ChildFailedError" in err, err[-3000:]
-        print(f"\nnode 0 exited {time.monotonic() - died:.1f} s after node 1 died, with code {nodes[0].returncode}; "
-              f"its error: {[line for line in err.splitlines() if 'Error' in line][-1:]}")
-        nodes[1].wait(timeout=30)
+        _kill_session(nodes[dead])  # the whole node: its agent and its two ranks
+        _, err = nodes[survivor].communicate(timeout=180)
+        assert nodes[survivor].returncode != 0
+        assert error in err, err[-3000:]
+        print(f"\n{death} died: node {survivor} exited {time.monotonic() - died:.1f} s later with code "
+              f"{nodes[survivor].returncode}: {[line for line in err.splitlines() if error in line][-1:]}")
+        nodes[dead].wait(timeout=30)
         time.sleep(1.0)
-        assert _alive(everyone) == [], "processes left behind"
+        assert [pid for pid in everyone if is_alive(pid)] == [], "processes left behind"
     finally:
         for node in nodes:
             _kill_session(node)

@@ -7,6 +7,8 @@ share a node talks over NVLink (hundreds of GB/s per GPU); one that spans nodes 
 times slower.  :func:`group_links` works that out for every dimension and :func:`plot_mesh` draws it.  **Does
 it fit?**  :func:`memory_choices` prices layouts of one model on one GPU count with the analytical model of
 ``labkit.costmodel.memory``, and :func:`plot_memory_choices` stacks the bytes against the device's memory.
+:func:`plot_layout` puts the two in one picture (the lesson's explorer), and :func:`plot_step_parts` draws a traced
+3D step per rank (``labkit.parallel.parallelize.step_breakdown``) beside a model of it.
 
 The conventions are ``labkit.viz.plots``': data in, ``matplotlib.figure.Figure`` out, nothing run, no process
 group.  Memory is drawn in GiB (2^30 bytes); device memory is quoted as vendors quote it, in GB (1e9 bytes),
@@ -19,8 +21,10 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy
 from matplotlib import patches as matplotlib_patches
 from matplotlib import path as matplotlib_path
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
@@ -323,18 +327,85 @@ def plot_memory_choices(rows: Sequence[Mapping], device_memory_bytes: float | No
         total = row["total"] / GIB
         over = device_gib is not None and total > device_gib
         axis.text(total, position, f" {total:.1f} GiB" + (" (does not fit)" if over else ""), va="center",
-                  fontsize=8, color="#B00000" if over else "black", fontweight="bold" if over else "normal")
+                  fontsize=8, color="#B00000" if over else "black", fontweight="bold" if over else "normal",
+                  bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 0.6})  # over the line
     right = max(row["total"] for row in rows) / GIB
     if device_gib is not None:
         axis.axvline(device_gib, color="black", linestyle="--", linewidth=1.3, gid="device memory",
                      label=f"device memory: {device_memory_bytes / 1e9:g} GB = {device_gib:.1f} GiB")
-        axis.text(device_gib, -0.45, f" {device_memory_bytes / 1e9:g} GB", ha="left", va="top", fontsize=8)
+        axis.text(device_gib, 1.0, f"{device_memory_bytes / 1e9:g} GB", ha="center", va="bottom", fontsize=8,
+                  transform=axis.get_xaxis_transform())  # above the plot, clear of the first bar's total
         right = max(right, device_gib)
     axis.set_xlim(0, 1.3 * right)
     axis.set_yticks(positions, [row["label"] for row in rows], fontsize=8)
     axis.invert_yaxis()
     axis.set_xlabel("memory per GPU (GiB)")
     axis.set_title(title, fontsize=10)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    return figure
+
+
+def plot_layout(dp: int, tp: int, pp: int, rows: Sequence[Mapping], gpus_per_node: int = 8,
+                highlight_rank: int | None = 0, device_memory_bytes: float | None = None,
+                title: str = "Memory per GPU, by layout", dpi: int = 90) -> Figure:
+    """:func:`plot_mesh` above :func:`plot_memory_choices`, in one figure (lesson 10's explorer shows one
+    image): both are drawn at ``dpi`` and placed pixel for pixel, so save the result at the same ``dpi``."""
+    pictures = []
+    for part in (plot_mesh(dp, tp, pp, gpus_per_node, highlight_rank),
+                 plot_memory_choices(rows, device_memory_bytes, title)):
+        part.set_dpi(dpi)
+        canvas = FigureCanvasAgg(part)
+        canvas.draw()
+        pictures.append(numpy.asarray(canvas.buffer_rgba()))
+    width, height = max(p.shape[1] for p in pictures), sum(p.shape[0] for p in pictures)
+    figure = Figure(figsize=(width / dpi, height / dpi), dpi=dpi, facecolor="white")
+    top = height
+    for picture in pictures:
+        top -= picture.shape[0]
+        figure.figimage(picture, xo=(width - picture.shape[1]) // 2, yo=top, origin="upper", gid="part")
+    return figure
+
+
+# step_breakdown's parts (labkit.parallel.parallelize), and a model's: the simulator times an action with the
+# tensor-parallel all-reduces inside it, as the trace does, so its "F and B" is compute + TP communication.
+STEP_PARTS = {"compute": "#4C72B0", "tp communication": "#DD8452", "F and B": "#7F95BF", "bubble": "#CCB974",
+              "dp reduction": "#55A868", "optimizer": "#8172B3", "other": "#B0B0B0"}
+
+
+def plot_step_parts(parts: Mapping[int, Mapping[str, float]], labels: Mapping[int, str] | None = None,
+                    model: Mapping[int, Mapping[str, float]] | None = None,
+                    title: str = "Where each rank's step went") -> Figure:
+    """One bar per rank (first rank on top) of ``{rank: {part: seconds}}``, e.g. ``step_breakdown``'s, stacked
+    in ms in :data:`STEP_PARTS`' order (a ``"step"`` entry, the total, is not drawn); ``labels`` name the ranks.
+    With ``model`` (the same form, e.g. a simulator's ``"F and B"`` and ``"bubble"`` for the rank's stage), a
+    thinner hatched bar under each rank's, for the model's parts."""
+    if not parts:
+        raise ValueError("parts is empty: give {rank: {part: seconds}}, e.g. step_breakdown(spans)")
+    for name, table in (("parts", parts), ("model", model or {})):
+        for rank, seconds in table.items():
+            unknown = set(seconds) - set(STEP_PARTS) - {"step"}
+            if unknown or any(value < 0 for value in seconds.values()):
+                raise ValueError(f"{name}[{rank}] must map parts of {list(STEP_PARTS)} to seconds >= 0, "
+                                 f"got {dict(seconds)!r}")
+    ranks = sorted(parts)
+    figure = Figure(figsize=(11, 1.4 + (0.55 if model else 0.4) * len(ranks)))
+    axis = figure.subplots()
+    shown: set[str] = set()
+    for position, rank in enumerate(ranks):
+        for table, offset, height, hatch in ((parts, 0.0, 0.5, ""), (model or {}, 0.42, 0.3, "//")):
+            left = 0.0
+            for part, color in STEP_PARTS.items():
+                value = 1e3 * table.get(rank, {}).get(part, 0.0)
+                if value > 0:
+                    axis.barh(position + offset, value, left=left, height=height, color=color, hatch=hatch,
+                              edgecolor="white", linewidth=0.5, label=None if part in shown else part)
+                    shown.add(part)
+                    left += value
+    axis.set_yticks(range(len(ranks)), [labels[rank] if labels else f"rank {rank}" for rank in ranks], fontsize=8)
+    axis.invert_yaxis()
+    axis.set_xlabel("time in the step (ms)")
+    axis.set_title(title + ("\n(hatched, under each rank: the model)" if model else ""), fontsize=10)
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     return figure

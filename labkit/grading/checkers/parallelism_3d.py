@@ -104,8 +104,10 @@ def check_the_groups_form_a_grid(module) -> None:
 
 @guard.no_shortcuts(built_ins=BUILT_INS)
 def check_every_tp_group_stays_inside_a_node(module) -> None:
-    """every TP group is inside one node (ranks numbered node by node, 8 and 4 GPUs a node), where TP's
-    all-reduces run on the fast links"""
+    """every TP group stays inside one node of 8 and of 4 GPUs (ranks numbered node by node)
+
+    TP's all-reduces run in every layer, on the critical path: a group split over two nodes would run them at
+    the network's speed."""
     for layout in LAYOUTS:
         world_size, dp, tp, pp = layout
         groups = _groups(module, *layout)
