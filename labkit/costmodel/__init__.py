@@ -1,8 +1,8 @@
 """Analytical models: what the measurements are held to.  Pure arithmetic, no process groups.
 
-- ``compute``: FLOPs, GPUs, training time and MFU (lesson 00);
+- ``compute``: FLOPs, GPUs and their links, training time and MFU (lessons 00 and 11);
 - ``collectives``: the alpha-beta cost of each collective (lesson 01);
-- ``step``: the time of a training step, with overlap (lesson 02);
+- ``step``: the time of a training step, with overlap (lesson 02), and of a 3D step, each term apart (lesson 11);
 - ``memory``: bytes per rank under DP, ZeRO, TP and PP, and transformer activations (lessons 04-06);
 - ``tensor_parallel``: every collective of a tensor-parallel step, and its time (lesson 06);
 - ``stragglers``: what waiting for the slowest worker costs, and what asynchrony costs in staleness (lesson 08).

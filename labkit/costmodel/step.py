@@ -9,8 +9,18 @@ pipeline-parallel terms (the bubble, per-layer all-reduces) join it in their les
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
+from labkit.costmodel.collectives import (
+    LinkModel,
+    ring_all_gather_cost,
+    ring_all_reduce_cost,
+    ring_reduce_scatter_cost,
+)
+from labkit.costmodel.compute import model_flops_per_step
+from labkit.costmodel.memory import num_parameters
+from labkit.parallel.pipeline import schedule as schedules  # pure data and arithmetic (tests/test_layout.py)
+from labkit.parallel.pipeline.simulate import simulate
 
 
 @dataclass(frozen=True)
@@ -57,3 +67,149 @@ def ddp_step_time(forward_s: float, backward_s: float, optimizer_s: float, bucke
         finished = max(finished, ready) + cost
     exposed = max(0.0, finished - backward_s) if costs else 0.0
     return DataParallelStep(forward_s, backward_s, sum(costs), exposed, optimizer_s)
+
+
+# --------------------------------------------------------------------------------------------------------
+# A 3D step (lesson 11): compute, TP all-reduces, the pipeline's bubble and sends, the DP reduction, ZeRO's gathers
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A 3D configuration: ``dp x tp x pp`` ranks, ZeRO stage over dp, micro-batch size, recomputation and the
+    pipeline schedule (``virtual_stages``: the interleaved schedule's stages per rank)."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 0
+    micro_batch: int = 1
+    recompute: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def label(self) -> str:
+        extra = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} ZeRO-{self.zero} b={self.micro_batch}"
+                f"{' recompute' if self.recompute else ''} {self.schedule}{extra}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a step runs on: FLOP/s one GPU (or rank) achieves on the model's matrices, its links inside a node and
+    across nodes, and how many GPUs a node holds (ranks are numbered node by node, as ``torchrun`` does)."""
+
+    flops: float
+    intra_node: LinkModel
+    inter_node: LinkModel
+    gpus_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One predicted step, each term apart (seconds).  ``forward_s`` and ``backward_s`` are one micro-batch on
+    one stage, tensor-parallel all-reduces included; ``pipeline_s`` the schedule's makespan with them."""
+
+    layout: Layout
+    microbatches: int
+    compute_s: float  # every micro-batch's forward and backward on one stage, without communication
+    tp_s: float  # the all-reduces inside them (on the critical path)
+    bubble_s: float  # the stage's idle time in the schedule
+    pp_send_s: float  # the sends on the critical path (one per boundary and micro-batch, each way)
+    dp_s: float  # the data-parallel reduction left after the last backward (exposed)
+    zero_s: float  # ZeRO-1/2's all-gather of updated weights, FSDP's exposed gathers
+    forward_s: float
+    backward_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.tp_s + self.bubble_s + self.pp_send_s + self.dp_s + self.zero_s
+
+    def parts(self) -> dict[str, float]:
+        return {"compute": self.compute_s, "tp": self.tp_s, "bubble": self.bubble_s, "pp send": self.pp_send_s,
+                "dp": self.dp_s, "zero": self.zero_s}
+
+
+def _link(hardware: Hardware, stride: int, size: int) -> LinkModel:
+    """The link of a group of ``size`` ranks ``stride`` apart in the (pp, dp, tp) grid: its ranks span
+    ``stride * size`` consecutive ranks from a multiple of that, so it lies inside one node of ``G`` GPUs when
+    that span divides ``G``; else it crosses nodes."""
+    span = stride * size
+    inside = span <= hardware.gpus_per_node and hardware.gpus_per_node % span == 0
+    return hardware.intra_node if inside else hardware.inter_node
+
+
+def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2,
+                 gradient_bytes: int | None = None, overlap_dp: bool = True) -> StepTime:
+    """One training step of ``shape`` (a :class:`labkit.costmodel.memory.TransformerShape`) under ``layout`` on
+    ``hardware``, each term apart (:class:`StepTime`).
+
+    - **compute**: the model's FLOPs (:func:`labkit.costmodel.compute.model_flops_per_step`, recomputation
+      included when ``layout.recompute``) split evenly over the ``t p`` model-parallel ranks, at
+      ``hardware.flops``; backward twice the forward (three times with recomputation).
+    - **TP**: per layer and micro-batch, two ring all-reduces of ``b s h`` values in the forward and two in the
+      backward (two more with recomputation: the forward runs again), over the intra-node link while a TP
+      group fits in a node (ranks ``1`` apart), else the inter-node one; on the critical path.
+    - **PP**: the schedule's own table (:mod:`labkit.parallel.pipeline.schedule`), placed in time by the
+      pipeline simulator with each stage's forward and backward (TP included) and one send of ``b s h`` values
+      per boundary crossing (stages are ``d t`` ranks apart); the bubble is the schedule's idle time.
+    - **DP**: one ring all-reduce (ZeRO-2, FSDP: a reduce-scatter) of the stage's ``Psi / (t p)`` gradients
+      over the ``d`` replicas (``t`` ranks apart), started as the last backward runs: with ``overlap_dp`` only
+      what outlasts one micro-batch's backward is exposed.  ZeRO-1/2 then all-gather the updated weights
+      (exposed); FSDP gathers each stage's weights before every forward and backward, hidden behind the compute
+      it prefetches for, exposed where it is longer.
+    """
+    d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
+    if global_batch % (d * b):
+        raise ValueError(f"the global batch {global_batch} must split into dp={d} replicas of micro-batches of "
+                         f"b={b} sequences (global_batch % (dp * b) == 0)")
+    m = global_batch // (d * b)
+    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    if shape.num_layers % (p * v):
+        raise ValueError(f"{p * v} pipeline stages do not divide the {shape.num_layers} layers")
+    gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
+    # compute, per micro-batch and stage
+    flops = model_flops_per_step(shape, b, recompute=layout.recompute) / (t * p)
+    passes = 4 if layout.recompute else 3  # forward, backward (2x), and the forward again when recomputing
+    forward = flops / passes / hardware.flops
+    backward = forward * (passes - 1)
+    # TP's all-reduces, per micro-batch and stage
+    tp_link = _link(hardware, 1, t)
+    one = ring_all_reduce_cost(b * shape.seq_len * shape.hidden_size * value_bytes, t, tp_link).time_s if t > 1 else 0
+    layers = shape.num_layers // p
+    tp_forward, tp_backward = 2 * layers * one, (2 + 2 * layout.recompute) * layers * one
+    # the pipeline: the schedule's table, placed in time
+    send = 0.0
+    if p > 1:
+        link = _link(hardware, d * t, p)
+        send = link.alpha_s + b * shape.seq_len * shape.hidden_size * value_bytes * link.beta_s_per_byte
+    table = {"gpipe": lambda: schedules.gpipe(p, m), "1f1b": lambda: schedules.one_f_one_b(p, m),
+             "zb-h1": lambda: schedules.zb_h1(p, m),
+             "interleaved": lambda: schedules.interleaved_1f1b(p, m, v)}
+    if layout.schedule not in table:
+        raise ValueError(f"schedule must be one of {tuple(table)}, got {layout.schedule!r}")
+    f_stage, b_stage = (forward + tp_forward) / v, (backward + tp_backward) / v
+    timeline = simulate(table[layout.schedule](), f_stage, b_stage, send_s=send)
+    busy = m * (forward + tp_forward + backward + tp_backward)
+    idle = max(0.0, timeline.total - busy)
+    without_sends = simulate(table[layout.schedule](), f_stage, b_stage).total if send else timeline.total
+    pp_send = timeline.total - without_sends
+    bubble = idle - pp_send
+    # DP, and ZeRO's gathers
+    local = num_parameters(shape) / (t * p)
+    dp_link = _link(hardware, t, d)
+    dp_s = zero_s = 0.0
+    if d > 1:
+        reduce = (ring_reduce_scatter_cost if layout.zero >= 2 else ring_all_reduce_cost)(
+            int(local * gradient_bytes), d, dp_link).time_s
+        dp_s = max(0.0, reduce - (backward + tp_backward if overlap_dp else 0.0))
+        gather = ring_all_gather_cost(int(local * value_bytes), d, dp_link).time_s
+        if layout.zero in (1, 2):
+            zero_s = gather
+        elif layout.zero == 3:  # every micro-batch's forward and backward gather the stage, prefetched
+            zero_s = m * (max(0.0, gather - forward) + max(0.0, gather - backward))
+    return StepTime(layout, m, m * (forward + backward), m * (tp_forward + tp_backward), bubble, pp_send, dp_s,
+                    zero_s, forward + tp_forward, backward + tp_backward)

@@ -1,0 +1,124 @@
+"""Lesson 11's analytical models: a transformer step's FLOPs (labkit.costmodel.compute) against Narayanan et al.
+2021's closed forms, and the 3D step-time model (labkit.costmodel.step.predict_step)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from labkit.costmodel.compute import (
+    GPUS,
+    matmul_parameters_per_layer,
+    mfu,
+    model_flops_per_step,
+    narayanan_flops,
+    tokens_per_second,
+)
+from labkit.costmodel.memory import TransformerShape, num_parameters
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-xl", "gpt3-175b"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_gpt_shapes_give_narayanans_closed_forms(name, recompute):
+    shape = TransformerShape.preset(name)
+    ours = model_flops_per_step(shape, 512, recompute=recompute)
+    theirs = narayanan_flops(512, shape.seq_len, shape.num_layers, shape.hidden_size, shape.vocab_size, recompute)
+    assert ours == pytest.approx(theirs, rel=1e-12)
+
+
+def test_gpt3_175b_step_is_about_six_n_d_plus_attention():
+    """The closed form's ``1 + s/6h`` is attention's share beyond the weights' 6 N D (GPT-3: s = 2048, h = 12288)."""
+    shape = TransformerShape.preset("gpt3-175b")
+    flops = model_flops_per_step(shape, 1536)
+    six_n_d = 6 * num_parameters(shape) * 1536 * shape.seq_len
+    assert 1.0 < flops / six_n_d < 1.05
+
+
+def test_grouped_query_attention_and_swiglu_change_the_weights_multiplied():
+    shape = TransformerShape.preset("llama-2-70b")
+    h, f, kv = 8192, 28672, 8 * 128
+    assert matmul_parameters_per_layer(shape) == 2 * h * h + 2 * h * kv + 3 * h * f
+    full = dataclasses.replace(shape, num_kv_heads=shape.num_heads)
+    assert model_flops_per_step(shape, 8) < model_flops_per_step(full, 8)
+
+
+def test_mfu_and_tokens_per_second():
+    shape = TransformerShape.preset("gpt3-175b")
+    flops = model_flops_per_step(shape, 1536)
+    # a step of 30 s on 1024 A100s
+    assert mfu(flops, 30.0, 1024, GPUS["A100 80GB"].peak_bf16_flops) == pytest.approx(flops / 30 / 1024 / 312e12)
+    assert tokens_per_second(1536, 2048, 30.0) == pytest.approx(1536 * 2048 / 30)
+    with pytest.raises(ValueError, match="step_s, gpus and peak_flops_per_gpu must be positive"):
+        mfu(flops, 0.0, 8, 1e12)
+    with pytest.raises(ValueError, match="global_batch and seq_len must be >= 1"):
+        model_flops_per_step(shape, 0)
+
+
+def test_every_gpu_preset_names_its_links_and_source():
+    for gpu in GPUS.values():
+        assert gpu.nvlink_bandwidth > gpu.network_bandwidth > 0 and gpu.source
+
+
+# --------------------------------------------------------------------------------------------------------
+# The 3D step
+
+
+def _hardware(alpha=0.0, intra=1e30, inter=1e30, flops=1e14, gpus_per_node=8):
+    from labkit.costmodel.collectives import LinkModel
+    from labkit.costmodel.step import Hardware
+
+    return Hardware(flops, LinkModel(alpha, 1 / intra), LinkModel(alpha, 1 / inter), gpus_per_node)
+
+
+def test_with_free_links_a_step_is_compute_plus_the_closed_form_bubble():
+    from labkit.costmodel.step import Layout, predict_step
+
+    shape = TransformerShape.preset("gpt2")
+    for p, m in ((1, 4), (2, 8), (4, 8), (4, 32)):
+        layout = Layout(dp=2, tp=2, pp=p, micro_batch=2)
+        step = predict_step(shape, layout, 2 * 2 * m, _hardware())
+        assert step.microbatches == m
+        assert max(step.tp_s, step.pp_send_s, step.dp_s, step.zero_s) < 1e-12
+        ideal = model_flops_per_step(shape, 2 * 2 * m) / 2 / (2 * p) / 1e14  # one replica's share, per rank
+        assert step.compute_s == pytest.approx(ideal, rel=1e-12)
+        assert step.bubble_s / step.step_s == pytest.approx((p - 1) / (m + p - 1), rel=1e-9, abs=1e-12)
+
+
+def test_tp_across_nodes_and_pipeline_sends_cost_what_their_links_say():
+    from labkit.costmodel.step import Layout, predict_step
+
+    shape = TransformerShape.preset("gpt2")
+    slow = _hardware(alpha=1e-5, intra=300e9, inter=25e9, gpus_per_node=8)
+    inside = predict_step(shape, Layout(dp=2, tp=8, pp=1), 16, slow)
+    across = predict_step(shape, Layout(dp=1, tp=16, pp=1), 16, slow)  # 16 ranks: two nodes
+    assert across.tp_s > 5 * inside.tp_s
+    one_node = predict_step(shape, Layout(dp=1, tp=2, pp=4), 16, slow)  # 8 ranks, stages 2 apart
+    two_nodes = predict_step(shape, Layout(dp=1, tp=4, pp=4), 16, slow)  # 16 ranks, stages 4 apart
+    assert 0 < one_node.pp_send_s < two_nodes.pp_send_s
+
+
+def test_zero_stages_add_their_gathers_and_dp_overlaps_the_last_backward():
+    from labkit.costmodel.step import Layout, predict_step
+
+    shape = TransformerShape.preset("gpt2")
+    hardware = _hardware(alpha=1e-5, intra=300e9, inter=0.5e9, flops=1e13, gpus_per_node=4)  # dp across nodes
+    steps = {zero: predict_step(shape, Layout(dp=8, tp=1, pp=1, zero=zero, micro_batch=4), 64, hardware)
+             for zero in (0, 1, 2, 3)}
+    assert steps[0].zero_s == 0 < steps[1].zero_s == steps[2].zero_s
+    assert steps[3].zero_s >= 0 and steps[0].dp_s > 0
+    hidden = predict_step(shape, Layout(dp=8, tp=1, pp=1, micro_batch=4), 64, hardware)
+    exposed = predict_step(shape, Layout(dp=8, tp=1, pp=1, micro_batch=4), 64, hardware, overlap_dp=False)
+    assert exposed.dp_s - hidden.dp_s == pytest.approx(min(exposed.dp_s, hidden.backward_s), rel=1e-9)
+
+
+def test_a_step_refuses_what_does_not_divide():
+    from labkit.costmodel.step import Layout, predict_step
+
+    shape = TransformerShape.preset("gpt2")
+    with pytest.raises(ValueError, match="must split into dp=4 replicas"):
+        predict_step(shape, Layout(dp=4, tp=1, pp=1, micro_batch=3), 16, _hardware())
+    with pytest.raises(ValueError, match="5 pipeline stages do not divide the 12 layers"):
+        predict_step(shape, Layout(dp=1, tp=1, pp=5), 16, _hardware())
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        predict_step(shape, Layout(dp=1, tp=1, pp=2, schedule="pipedream"), 16, _hardware())
