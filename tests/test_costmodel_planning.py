@@ -122,3 +122,53 @@ def test_a_step_refuses_what_does_not_divide():
         predict_step(shape, Layout(dp=1, tp=1, pp=5), 16, _hardware())
     with pytest.raises(ValueError, match="schedule must be one of"):
         predict_step(shape, Layout(dp=1, tp=1, pp=2, schedule="pipedream"), 16, _hardware())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_the_closed_form_makespan_is_the_simulators_for_uniform_stages(schedule):
+    from labkit.costmodel.step import closed_form_makespan
+    from labkit.parallel.pipeline import gpipe, interleaved_1f1b, one_f_one_b, simulate, zb_h1
+
+    make = {"gpipe": lambda p, m: gpipe(p, m), "1f1b": one_f_one_b, "zb-h1": zb_h1,
+            "interleaved": lambda p, m: interleaved_1f1b(p, m, 2)}[schedule]
+    for p, m in ((2, 4), (4, 8), (4, 12), (8, 16)):
+        v = 2 if schedule == "interleaved" else 1
+        simulated = simulate(make(p, m), 1.0 / v, 2.0 / v).total
+        assert closed_form_makespan(schedule, p, m, 1.0, 2.0, v) == pytest.approx(simulated, rel=1e-12)
+        with_sends = simulate(make(p, m), 1.0 / v, 2.0 / v, send_s=0.05).total
+        assert with_sends > simulated  # the bound holds: sends only add
+
+
+# --------------------------------------------------------------------------------------------------------
+# The planner
+
+
+def test_the_plan_is_ranked_exactly_and_every_candidate_fits():
+    from labkit.costmodel.planner import Cluster, plan
+    from labkit.costmodel.step import predict_step
+
+    shape, cluster = TransformerShape.preset("gpt2-xl"), Cluster(GPUS["A100 80GB"], 8, 0.5)
+    result = plan(shape, cluster, 64, top=8)
+    times = [candidate.step.step_s for candidate in result.candidates]
+    assert len(times) == 8 and times == sorted(times)
+    for candidate in result.candidates:
+        assert candidate.memory["total"] <= GPUS["A100 80GB"].memory_bytes
+        assert candidate.step == predict_step(shape, candidate.layout, 64, cluster.hardware())
+    # the top is exact: no candidate outside it is faster (every fitting one, simulated)
+    everything = plan(shape, cluster, 64, top=10_000)
+    assert [c.step.step_s for c in everything.candidates[:8]] == pytest.approx(times)
+    assert result.fitting == everything.fitting == len(everything.candidates)
+
+
+def test_a_model_that_fits_nowhere_gets_an_empty_plan_with_the_memory_it_would_need():
+    from labkit.costmodel.planner import Cluster, plan
+
+    result = plan(TransformerShape.preset("gpt3-175b"), Cluster(GPUS["V100 32GB"], 8), 64)
+    assert result.candidates == [] and result.best is None and result.smallest_memory > 32e9
+    assert "nothing fits: the least memory" in result.reason()
+    nothing = plan(TransformerShape.preset("gpt2"), Cluster(GPUS["A100 80GB"], 7), 5)  # 7 ranks, 12 heads
+    assert "no configuration divides" in nothing.reason() or nothing.candidates
+    with pytest.raises(ValueError, match="num_gpus must be an integer >= 1"):
+        Cluster(GPUS["A100 80GB"], 0)
+    with pytest.raises(ValueError, match="global_batch must be an integer >= 1"):
+        plan(TransformerShape.preset("gpt2"), Cluster(GPUS["A100 80GB"], 8), 0)

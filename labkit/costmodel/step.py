@@ -142,6 +142,39 @@ def _link(hardware: Hardware, stride: int, size: int) -> LinkModel:
     return hardware.intra_node if inside else hardware.inter_node
 
 
+def closed_form_makespan(schedule: str, p: int, m: int, forward_s: float, backward_s: float, v: int = 1) -> float:
+    """A schedule's makespan for uniform stages and free sends: ``m (F + B)`` plus its bubble, ``(p - 1)(F + B)``
+    for GPipe and 1F1B, ``(p - 1)(F + B) / v`` interleaved (``F``, ``B``: a whole stage's, per micro-batch),
+    ``(p - 1) F`` for ZB-H1 (``W = B / 2``: Qi et al. 2023's ``(p - 1)(F + B - 2W)``).  The simulator gives
+    exactly these (tested); with sends it can only be longer, so this bounds a layout's step from below."""
+    bubble = {"gpipe": (p - 1) * (forward_s + backward_s), "1f1b": (p - 1) * (forward_s + backward_s),
+              "interleaved": (p - 1) * (forward_s + backward_s) / v, "zb-h1": (p - 1) * forward_s}
+    if schedule not in bubble:
+        raise ValueError(f"schedule must be one of {tuple(bubble)}, got {schedule!r}")
+    return m * (forward_s + backward_s) + bubble[schedule]
+
+
+def stage_times(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2
+                ) -> tuple[int, int, float, float, float, float]:
+    """``(m, v, forward, backward, tp_forward, tp_backward)``: micro-batches per step, stages per rank, and one
+    micro-batch's compute and TP all-reduce seconds on one rank's stages (see :func:`predict_step`)."""
+    d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
+    if global_batch % (d * b):
+        raise ValueError(f"the global batch {global_batch} must split into dp={d} replicas of micro-batches of "
+                         f"b={b} sequences (global_batch % (dp * b) == 0)")
+    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    if shape.num_layers % (p * v):
+        raise ValueError(f"{p * v} pipeline stages do not divide the {shape.num_layers} layers")
+    flops = model_flops_per_step(shape, b, recompute=layout.recompute) / (t * p)
+    passes = 4 if layout.recompute else 3  # forward, backward (2x), and the forward again when recomputing
+    forward = flops / passes / hardware.flops
+    one = ring_all_reduce_cost(b * shape.seq_len * shape.hidden_size * value_bytes, t,
+                               _link(hardware, 1, t)).time_s if t > 1 else 0.0
+    layers = shape.num_layers // p
+    return (global_batch // (d * b), v, forward, forward * (passes - 1), 2 * layers * one,
+            (2 + 2 * layout.recompute) * layers * one)
+
+
 def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2,
                  gradient_bytes: int | None = None, overlap_dp: bool = True) -> StepTime:
     """One training step of ``shape`` (a :class:`labkit.costmodel.memory.TransformerShape`) under ``layout`` on
@@ -163,24 +196,8 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
       it prefetches for, exposed where it is longer.
     """
     d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
-    if global_batch % (d * b):
-        raise ValueError(f"the global batch {global_batch} must split into dp={d} replicas of micro-batches of "
-                         f"b={b} sequences (global_batch % (dp * b) == 0)")
-    m = global_batch // (d * b)
-    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
-    if shape.num_layers % (p * v):
-        raise ValueError(f"{p * v} pipeline stages do not divide the {shape.num_layers} layers")
+    m, v, forward, backward, tp_forward, tp_backward = stage_times(shape, layout, global_batch, hardware, value_bytes)
     gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
-    # compute, per micro-batch and stage
-    flops = model_flops_per_step(shape, b, recompute=layout.recompute) / (t * p)
-    passes = 4 if layout.recompute else 3  # forward, backward (2x), and the forward again when recomputing
-    forward = flops / passes / hardware.flops
-    backward = forward * (passes - 1)
-    # TP's all-reduces, per micro-batch and stage
-    tp_link = _link(hardware, 1, t)
-    one = ring_all_reduce_cost(b * shape.seq_len * shape.hidden_size * value_bytes, t, tp_link).time_s if t > 1 else 0
-    layers = shape.num_layers // p
-    tp_forward, tp_backward = 2 * layers * one, (2 + 2 * layout.recompute) * layers * one
     # the pipeline: the schedule's table, placed in time
     send = 0.0
     if p > 1:
@@ -191,13 +208,12 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
              "interleaved": lambda: schedules.interleaved_1f1b(p, m, v)}
     if layout.schedule not in table:
         raise ValueError(f"schedule must be one of {tuple(table)}, got {layout.schedule!r}")
-    f_stage, b_stage = (forward + tp_forward) / v, (backward + tp_backward) / v
-    timeline = simulate(table[layout.schedule](), f_stage, b_stage, send_s=send)
-    busy = m * (forward + tp_forward + backward + tp_backward)
-    idle = max(0.0, timeline.total - busy)
-    without_sends = simulate(table[layout.schedule](), f_stage, b_stage).total if send else timeline.total
-    pp_send = timeline.total - without_sends
-    bubble = idle - pp_send
+    whole_f, whole_b = forward + tp_forward, backward + tp_backward
+    without_sends = closed_form_makespan(layout.schedule, p, m, whole_f, whole_b, v)  # the simulator's, exactly
+    total = simulate(table[layout.schedule](), whole_f / v, whole_b / v, send_s=send).total if send \
+        else without_sends
+    pp_send = total - without_sends
+    bubble = without_sends - m * (whole_f + whole_b)
     # DP, and ZeRO's gathers
     local = num_parameters(shape) / (t * p)
     dp_link = _link(hardware, t, d)
