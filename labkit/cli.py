@@ -1,4 +1,4 @@
-"""The ``labkit`` command: ``labkit doctor | grade | bench``.
+"""The ``labkit`` command: ``labkit doctor | grade | bench | plan``.
 
 - ``labkit doctor`` — what this machine offers (torch, backends, GPUs, CPUs) and a 2-rank gloo all-reduce
   as a smoke test.  The first thing to run when something is off.
@@ -6,6 +6,8 @@
   for an instructor's tooling.
 - ``labkit bench [--quick] [NAME ...]`` — run the benchmarks in ``benchmarks/`` (each compares a labkit
   technique with PyTorch's built-in, measured in the same run).
+- ``labkit plan --model NAME --gpu NAME --gpus N --global-batch B [--top K] [--efficiency E]`` — the fastest
+  3D configurations that fit (``labkit.costmodel.planner``), as a table with each term of the predicted step.
 """
 
 from __future__ import annotations
@@ -126,6 +128,33 @@ def bench(args: argparse.Namespace) -> int:
     return status
 
 
+def plan(args: argparse.Namespace) -> int:
+    """Print the planner's top configurations for a published model shape on a cluster of one GPU kind."""
+    from labkit.costmodel import compute, memory, planner
+
+    try:
+        shape = memory.TransformerShape.preset(args.model)
+        if args.gpu not in compute.GPUS:
+            raise ValueError(f"unknown GPU {args.gpu!r}; choose one of {sorted(compute.GPUS)}")
+        cluster = planner.Cluster(compute.GPUS[args.gpu], args.gpus, args.efficiency)
+        result = planner.plan(shape, cluster, args.global_batch, top=args.top)
+    except ValueError as error:
+        print(f"labkit plan: {error}", file=sys.stderr)
+        return 2
+    print(f"{args.model} ({memory.num_parameters(shape) / 1e9:.1f}B parameters) on {args.gpus} x {args.gpu}, "
+          f"global batch {args.global_batch} x {shape.seq_len} tokens, {args.efficiency:.0%} of peak on the "
+          f"matrices: {result.reason()}")
+    if not result.candidates:
+        return 1
+    parts = list(result.candidates[0].step.parts())
+    print(f"{'layout':<46} {'step s':>7} {'MFU':>5} {'GB/GPU':>6}  " + " ".join(f"{part:>8}" for part in parts))
+    for candidate in result.candidates:
+        print(f"{candidate.layout.label():<46} {candidate.step.step_s:>7.2f} {candidate.mfu:>5.0%} "
+              f"{candidate.memory['total'] / 1e9:>6.1f}  "
+              + " ".join(f"{seconds:>8.3f}" for seconds in candidate.step.parts().values()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="labkit", description="labkit: learn distributed training by building it.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     bench_parser.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     bench_parser.set_defaults(run=bench)
+    plan_parser = commands.add_parser("plan", help="the fastest 3D configurations that fit, predicted")
+    plan_parser.add_argument("--model", default="gpt3-175b", help="a published shape (labkit.costmodel.memory)")
+    plan_parser.add_argument("--gpu", default="A100 80GB", help="a GPU of labkit.costmodel.compute.GPUS")
+    plan_parser.add_argument("--gpus", type=int, default=1024)
+    plan_parser.add_argument("--global-batch", type=int, default=1536, help="sequences per step")
+    plan_parser.add_argument("--top", type=int, default=10)
+    plan_parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the matrices reach")
+    plan_parser.set_defaults(run=plan)
     args = parser.parse_args(argv)
     return args.run(args)
 

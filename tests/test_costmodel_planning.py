@@ -172,3 +172,15 @@ def test_a_model_that_fits_nowhere_gets_an_empty_plan_with_the_memory_it_would_n
         Cluster(GPUS["A100 80GB"], 0)
     with pytest.raises(ValueError, match="global_batch must be an integer >= 1"):
         plan(TransformerShape.preset("gpt2"), Cluster(GPUS["A100 80GB"], 8), 0)
+
+
+def test_labkit_plan_prints_the_ranked_table_or_why_nothing_fits(capsys):
+    from labkit.cli import main
+
+    assert main(["plan", "--model", "gpt2-xl", "--gpus", "8", "--global-batch", "64", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "configurations fit" in out and out.count("dp=") == 3 and "bubble" in out
+    assert main(["plan", "--model", "gpt3-175b", "--gpu", "V100 32GB", "--gpus", "8", "--global-batch", "64"]) == 1
+    assert "nothing fits: the least memory" in capsys.readouterr().out
+    assert main(["plan", "--gpu", "TPU"]) == 2
+    assert "unknown GPU 'TPU'" in capsys.readouterr().err
