@@ -159,10 +159,12 @@ def train(config: TrainConfig) -> dict:
     if dist.is_main():
         size = sum(p.numel() for p in plain.parameters())
         layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}, {DP_WRAPPERS[config.zero]} over dp, "
-                  f"{config.schedule} with {config.microbatches} micro-batches" if config.three_d
+                  f"{config.schedule} with {config.microbatches} micro-batch{'es' if config.microbatches > 1 else ''}"
+                  if config.three_d
                   else config.strategy)
-        print(f"labkit.train: {layout} on {world} rank(s) ({dist.backend() or 'no process group'}, {device}) in "
-              f"{config.precision}; {config.model} {size:,} parameters; global batch {config.batch_size * replicas}"
+        low_precision = "" if config.precision == "fp32" else f" in {config.precision}"
+        print(f"labkit.train: {layout} on {world} rank(s) ({dist.backend() or 'no process group'}, {device})"
+              f"{low_precision}; {config.model} {size:,} parameters; global batch {config.batch_size * replicas}"
               + (f"; loss floor {floor:.3f} nats" if floor is not None else ""), flush=True)
     history: list[float] = []
     spans: list[trace.Span] | None = None
