@@ -257,11 +257,15 @@ def test_a_traced_3d_step_shows_every_dimension_on_every_rank(tmp_path):
     assert sorted(parts) == list(range(8))
     for rank, seconds in parts.items():
         assert set(seconds) == {*PARTS, "step"}
-        assert seconds["compute"] > 0 and seconds["tp communication"] > 0 and seconds["dp reduction"] > 0, rank
+        assert seconds["compute"] > 0 and seconds["tp communication"] > 0 and seconds["dp reduction"] >= 0, rank
         assert sum(seconds[part] for part in PARTS) == pytest.approx(seconds["step"], rel=1e-6), rank
         names = {span.name for span in spans if span.rank == rank}
         stage = results[rank][0]["coords"]["pp"]
         assert {f"{stage}F0", f"{stage}F1", f"{stage}B0", f"{stage}B1"} <= names
+        # DDP's buckets all-reduced during the last backward (one stage per rank: the reduction overlaps it)
+        last_backward = next(span for span in spans if span.rank == rank and span.name == f"{stage}B1")
+        buckets = [span for span in spans if span.rank == rank and span.name.startswith("all-reduce bucket")]
+        assert buckets and min(span.start_s for span in buckets) < last_backward.end_s, rank
         sent = "activation" if stage == 0 else "gradient"  # the pipeline's sends, forward and back
         assert any(name.startswith(f"send {sent} of micro-batch 1 to rank") for name in names), rank
     # the last stage waits for its first activation: a bubble on every rank of pp-rank 1

@@ -201,15 +201,21 @@ class Parallel3D(ParallelWrapper):
             stage.loss_scale = float(loss_scale)
         for wrapper in self._wrappers():
             wrapper.set_requires_gradient_sync(False)
+        # With one stage per rank and no split backward, the data-parallel reduction starts during the last
+        # backward (the wrapper's own overlap, Megatron's overlap_grad_reduce); otherwise it follows the schedule.
+        overlapped = len(self.stages) == 1 and not any(a.kind == "W" for a in self.schedule.orders()[0])
         try:
-            run = run_schedule(self.schedule, self.stages, inputs, targets, timeline=timeline)
+            run = run_schedule(self.schedule, self.stages, inputs, targets, timeline=timeline,
+                               before_last_backward=(lambda: self.data_parallel.set_requires_gradient_sync(True))
+                               if overlapped else None)
         finally:
             for wrapper in self._wrappers():
                 wrapper.set_requires_gradient_sync(True)
         for tp in self.tensor_parallel:
             tp.reduce_gradients()
-        with trace.span(f"dp {'all-reduce' if self.zero < 2 else 'reduce-scatter'} gradients", "comm"):
-            self.data_parallel.reduce_gradients()
+        if not overlapped:
+            with trace.span(f"dp {'all-reduce' if self.zero < 2 else 'reduce-scatter'} gradients", "comm"):
+                self.data_parallel.reduce_gradients()
         self._count_p2p()
         self.timeline = run.timeline
         pp = self.mesh.group("pp")
@@ -366,7 +372,8 @@ def step_breakdown(spans: Sequence[trace.Span]) -> dict[int, dict[str, float]]:
     - ``compute``: the pipeline's F/B/I/W actions, less the tensor-parallel collectives inside them;
     - ``tp communication``: those collectives (``f`` and ``g``, all-reduces, on the critical path);
     - ``bubble``: the waits for a neighbouring stage's activation or gradient;
-    - ``dp reduction``: the data-parallel reduction after the schedule; ``optimizer``: its step;
+    - ``dp reduction``: the data-parallel reduction after the schedule, or, overlapped with the last backward
+      (one stage per rank), the wait for it that DDP records at that backward's end; ``optimizer``: its step;
     - ``other``: the rest of the step (from the rank's first span to its last): sends, Python, gathers.
     """
     by_rank: dict[int, list[trace.Span]] = {}
@@ -375,12 +382,18 @@ def step_breakdown(spans: Sequence[trace.Span]) -> dict[int, dict[str, float]]:
     result = {}
     for rank, mine in sorted(by_rank.items()):
         actions = [s for s in mine if s.kind == "compute" and _ACTION.fullmatch(s.name)]
-        inside = [s for s in mine if s.kind == "comm" and s.name.startswith(_TP_COLLECTIVES)
-                  and any(a.start_s <= s.start_s and s.end_s <= a.end_s for a in actions)]
-        parts = {"compute": sum(a.seconds for a in actions) - sum(s.seconds for s in inside),
+
+        def within(span: trace.Span, actions: list[trace.Span] = actions) -> bool:
+            return any(a.start_s <= span.start_s and span.end_s <= a.end_s for a in actions)
+
+        inside = [s for s in mine if s.kind == "comm" and s.name.startswith(_TP_COLLECTIVES) and within(s)]
+        # DP's wait at the end of an overlapped last backward (DDP records it) sits inside that action too
+        waits = [s for s in mine if s.kind == "idle" and s.name == "wait for gradients" and within(s)]
+        parts = {"compute": sum(a.seconds for a in actions) - sum(s.seconds for s in inside + waits),
                  "tp communication": sum(s.seconds for s in inside),
                  "bubble": sum(s.seconds for s in mine if s.kind == "bubble"),
-                 "dp reduction": sum(s.seconds for s in mine if s.kind == "comm" and s.name.startswith("dp ")),
+                 "dp reduction": sum(s.seconds for s in mine if s.kind == "comm" and s.name.startswith("dp "))
+                 + sum(s.seconds for s in waits),
                  "optimizer": sum(s.seconds for s in mine if s.kind == "compute" and s.name == "optimizer step")}
         step = max(s.end_s for s in mine) - min(s.start_s for s in mine)
         parts["other"] = max(0.0, step - sum(parts.values()))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +117,8 @@ def _check(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch.Tenso
 
 
 def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch.Tensor | None = None,
-                 targets: torch.Tensor | None = None, *, timeline: bool = True) -> PipelineRun:
+                 targets: torch.Tensor | None = None, *, timeline: bool = True,
+                 before_last_backward: Callable[[], None] | None = None) -> PipelineRun:
     """Run one step of ``schedule`` on this rank's ``stages``: every rank of the pipeline calls it.
 
     ``ids`` and ``targets`` (``[m * micro_batch_size, seq_len]``) are the whole batch, cut into ``m``
@@ -125,6 +126,8 @@ def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch
     others may pass them or not).  Gradients accumulate into the stages' ``.grad`` (the mean loss's, as one
     process with gradient accumulation computes them); the caller steps its optimizer and zeroes them.  With
     ``timeline``, every rank's timings are gathered into a measured :class:`~.simulate.Timeline`.
+    ``before_last_backward`` runs just before this rank's last ``B`` (where no ``W`` follows it): a data-parallel
+    wrapper can turn its gradient sync on there, so its reduction overlaps that backward.
     """
     rank, by_stage = _check(schedule, stages, ids, targets)
     order = schedule.orders()[rank]
@@ -155,9 +158,13 @@ def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch
     peak = {stage: 0 for stage in by_stage}
     dist.barrier(group=stages[0].group)
     origin = time.perf_counter()
+    backwards = [index for index, action in enumerate(order) if action.kind == "B"]
+    last_backward = backwards[-1] if backwards and not any(a.kind == "W" for a in order) else None
     for index, action in enumerate(order):
         if index + 1 < len(order):
             post(order[index + 1])
+        if index == last_backward and before_last_backward is not None:
+            before_last_backward()
         stage, mb = by_stage[action.stage], action.microbatch
         waited = time.perf_counter()
         received = take(action)
