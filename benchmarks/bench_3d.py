@@ -9,7 +9,7 @@ tensor-parallel collectives inside them, the data-parallel reduction, AdamW's st
 into ``2 pp`` micro-batches.  A step's time is its slowest rank's (a barrier before each step).
 
 1. **labkit against torch**: ``parallelize`` at dp=8, tp=pp=1 (labkit's DDP under the 3D wrapper, the schedule
-   runtime with one stage) and ``torch.nn.parallel.DistributedDataParallel`` on the same batches from the same
+   runtime with one stage, ``overlap_dp``: the buckets leave during the backward, as torch's do) and ``torch.nn.parallel.DistributedDataParallel`` on the same batches from the same
    weights, alive at once, taking turns step by step (the order flipping every round).  ``labkit / torch`` is
    paired: the median over rounds of labkit's step over torch's in the same round.
 2. **Six layouts** (8x1x1, 4x2x1, 4x1x2, 2x2x2, 2x4x1, 1x2x4 as dp x tp x pp, DDP over dp, 1F1B): the median
@@ -65,7 +65,7 @@ def _against_torch(config: GPTConfig, steps: int, global_batch: int) -> dict:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     ours = parallelize(TinyGPT(config, seed=0), Mesh(dp=8), microbatches=1, micro_batch_size=global_batch // 8,
-                       seq_len=config.block_size)
+                       seq_len=config.block_size, overlap_dp=True)  # DDP's buckets during backward, as torch's
     our_optimizer = ours.make_optimizer(torch.optim.AdamW, lr=LR)
     theirs = torch.nn.parallel.DistributedDataParallel(TinyGPT(config, seed=0))
     their_optimizer = torch.optim.AdamW(theirs.parameters(), lr=LR)

@@ -54,7 +54,7 @@ def _one_process(dp: int, optimizer_cls=torch.optim.SGD, clip: float | None = No
     return losses, model.state_dict()
 
 
-def _run_layouts(layouts, optimizer_cls=torch.optim.SGD, clip=None):
+def _run_layouts(layouts, optimizer_cls=torch.optim.SGD, clip=None, overlap_dp=False):
     from labkit.mesh import Mesh
     from labkit.parallel import parallelize_state as threed_state
     from labkit.parallel.parallelize import parallelize
@@ -64,7 +64,7 @@ def _run_layouts(layouts, optimizer_cls=torch.optim.SGD, clip=None):
         torch.manual_seed(0)
         mesh = Mesh(dp=dp, tp=tp, pp=pp)
         model = parallelize(TinyGPT(CONFIG, seed=0), mesh, zero=zero, schedule=schedule, microbatches=MICRO,
-                            micro_batch_size=BATCH // MICRO, seq_len=CONFIG.block_size)
+                            micro_batch_size=BATCH // MICRO, seq_len=CONFIG.block_size, overlap_dp=overlap_dp)
         optimizer = model.make_optimizer(optimizer_cls, **({"lr": LR, "momentum": 0.9}
                                                           if optimizer_cls is torch.optim.SGD else {"lr": 3e-3}))
         losses = []
@@ -257,15 +257,11 @@ def test_a_traced_3d_step_shows_every_dimension_on_every_rank(tmp_path):
     assert sorted(parts) == list(range(8))
     for rank, seconds in parts.items():
         assert set(seconds) == {*PARTS, "step"}
-        assert seconds["compute"] > 0 and seconds["tp communication"] > 0 and seconds["dp reduction"] >= 0, rank
+        assert seconds["compute"] > 0 and seconds["tp communication"] > 0 and seconds["dp reduction"] > 0, rank
         assert sum(seconds[part] for part in PARTS) == pytest.approx(seconds["step"], rel=1e-6), rank
         names = {span.name for span in spans if span.rank == rank}
         stage = results[rank][0]["coords"]["pp"]
         assert {f"{stage}F0", f"{stage}F1", f"{stage}B0", f"{stage}B1"} <= names
-        # DDP's buckets all-reduced during the last backward (one stage per rank: the reduction overlaps it)
-        last_backward = next(span for span in spans if span.rank == rank and span.name == f"{stage}B1")
-        buckets = [span for span in spans if span.rank == rank and span.name.startswith("all-reduce bucket")]
-        assert buckets and min(span.start_s for span in buckets) < last_backward.end_s, rank
         sent = "activation" if stage == 0 else "gradient"  # the pipeline's sends, forward and back
         assert any(name.startswith(f"send {sent} of micro-batch 1 to rank") for name in names), rank
     # the last stage waits for its first activation: a bubble on every rank of pp-rank 1
@@ -296,3 +292,16 @@ def test_bf16_and_fp16_train_a_3d_layout_close_to_fp32():
     assert bf16 == pytest.approx(fp32, abs=0.05) and fp16 == pytest.approx(fp32, abs=0.02)
     assert bf16 != fp32 and fp16 != fp32  # the low precision did run
     assert fp32[-1] < fp32[0]
+
+
+def test_overlapping_the_dp_reduction_with_the_last_backward_keeps_the_trajectory():
+    """overlap_dp: each wrapper's sync turned on just before the rank's last backward, so DDP's buckets, ZeRO-2's
+    and FSDP's reduce-scatters leave during it; ZB-H1 (its W passes) and interleaving keep the reduction after."""
+    layouts = [(2, 2, 2, 0, "1f1b"), (2, 2, 2, 2, "gpipe"), (2, 2, 2, 3, "1f1b"), (4, 1, 2, 1, "zb-h1"),
+               (2, 2, 2, 0, "interleaved")]
+    runs = launch.launch(_run_layouts, layouts, torch.optim.SGD, None, True, nprocs=8, timeout=600)
+    for index, layout in enumerate(layouts):
+        losses, state = _one_process(layout[0])
+        assert _mean_losses(runs, index) == pytest.approx(losses, abs=1e-5, rel=0), layout
+        full = runs[0][index]["full"]
+        assert max((full[name] - state[name]).abs().max().item() for name in state) < 1e-6, layout

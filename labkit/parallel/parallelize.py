@@ -137,7 +137,7 @@ class Parallel3D(ParallelWrapper):
 
     def __init__(self, model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1f1b",
                  microbatches: int = 1, virtual_stages: int = 2, micro_batch_size: int, seq_len: int,
-                 bucket_cap_mb: float = 25.0, seed: int | None = None):
+                 bucket_cap_mb: float = 25.0, seed: int | None = None, overlap_dp: bool = False):
         if not isinstance(model, TinyGPT):
             raise TypeError(f"parallelize splits a labkit.models.TinyGPT, got {type(model).__name__}")
         if not isinstance(mesh, Mesh):
@@ -154,7 +154,7 @@ class Parallel3D(ParallelWrapper):
                            for s in stage_indices]
         super().__init__(nn.ModuleList(tensor_parallel), None)
         self.schedule, self.stage_indices, self.tensor_parallel = plan, stage_indices, tensor_parallel
-        self.mesh, self.zero, self.config = mesh, zero, config
+        self.mesh, self.zero, self.config, self.overlap_dp = mesh, zero, config, bool(overlap_dp)
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
         # 3. data parallelism around them: one wrapper over this rank's stages (FSDP: its one stage)
         dp_group = mesh.group("dp")
@@ -201,9 +201,10 @@ class Parallel3D(ParallelWrapper):
             stage.loss_scale = float(loss_scale)
         for wrapper in self._wrappers():
             wrapper.set_requires_gradient_sync(False)
-        # With one stage per rank and no split backward, the data-parallel reduction starts during the last
-        # backward (the wrapper's own overlap, Megatron's overlap_grad_reduce); otherwise it follows the schedule.
-        overlapped = len(self.stages) == 1 and not any(a.kind == "W" for a in self.schedule.orders()[0])
+        # overlap_dp, with one stage per rank and no split backward: the data-parallel reduction starts during the
+        # last backward (the wrapper's own overlap; Megatron's overlap_grad_reduce); else it follows the schedule.
+        overlapped = self.overlap_dp and len(self.stages) == 1 and \
+            not any(a.kind == "W" for a in self.schedule.orders()[0])
         try:
             run = run_schedule(self.schedule, self.stages, inputs, targets, timeline=timeline,
                                before_last_backward=(lambda: self.data_parallel.set_requires_gradient_sync(True))
@@ -345,16 +346,17 @@ class Parallel3D(ParallelWrapper):
 
 def parallelize(model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1f1b", microbatches: int = 1,
                 virtual_stages: int = 2, micro_batch_size: int, seq_len: int, bucket_cap_mb: float = 25.0,
-                seed: int | None = None) -> Parallel3D:
+                seed: int | None = None, overlap_dp: bool = False) -> Parallel3D:
     """``model`` split over ``mesh``: pipeline stages over pp, tensor parallelism over tp, then DDP (``zero=0``),
     ZeRO-1/2 or FSDP (``zero=3``) over dp; see the module docstring.  A collective: every rank calls it with
     the same model (the same weights) and arguments.  ``schedule``: one of :data:`SCHEDULES`, over
     ``microbatches`` micro-batches of ``micro_batch_size`` sequences of ``seq_len`` tokens; ``virtual_stages``:
     stages per rank of the interleaved schedule.  ``seed``: tensor parallelism's dropout generator (see
-    :func:`~labkit.parallel.tensor.parallelize_tensor`)."""
+    :func:`~labkit.parallel.tensor.parallelize_tensor`).  ``overlap_dp``: with one stage per rank and no split
+    backward, start the data-parallel reduction during the last backward instead of after the schedule."""
     return Parallel3D(model, mesh, zero=zero, schedule=schedule, microbatches=microbatches,
                       virtual_stages=virtual_stages, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                      bucket_cap_mb=bucket_cap_mb, seed=seed)
+                      bucket_cap_mb=bucket_cap_mb, seed=seed, overlap_dp=overlap_dp)
 
 
 # --------------------------------------------------------------------------------------------------------
