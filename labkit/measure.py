@@ -290,3 +290,71 @@ def time_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], dt
         if index >= warmup:
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Calibration: this machine's constants for the cost model (lesson 11, `labkit doctor`)
+
+
+def _ring_link(sizes: tuple[int, ...]) -> tuple[float, float]:
+    torch.set_num_threads(1)
+    link = measure_alpha_beta(sizes, iterations=5, pattern="ring")
+    return link.alpha_s, link.beta_s_per_byte
+
+
+def calibrate(preset: str = "1m", micro_batches: tuple[int, ...] = (1, 2, 4, 8), ranks: int = 8,
+              link_sizes: tuple[int, ...] = (8, 1 << 14, 1 << 17, 1 << 20), repeats: int = 5,
+              progress: Callable[[str], None] | None = None):
+    """Measure this machine's :class:`labkit.costmodel.calibration.Calibration` (see that module): a
+    ``TinyGPT(GPTConfig.preset(preset))``'s forward and backward on one thread at each of ``micro_batches``
+    (fitted as FLOPs over a rate plus a fixed cost per layer), AdamW's step, and the gloo ring step's alpha-beta
+    with ``ranks`` ranks sending at once.  Takes about half a minute on 2 cores."""
+    import os
+    import platform
+
+    from labkit.costmodel.calibration import Calibration
+    from labkit.costmodel.compute import model_flops_per_step
+    from labkit.costmodel.memory import TransformerShape
+    from labkit.launch import launch
+    from labkit.models import GPTConfig, TinyGPT
+
+    if len(set(micro_batches)) < 2 or min(micro_batches) < 1:
+        raise ValueError(f"micro_batches needs two or more distinct sizes >= 1, got {micro_batches!r}")
+    if ranks < 2:
+        raise ValueError(f"ranks must be >= 2 to measure a link, got {ranks!r}")
+    say = progress or (lambda text: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = GPTConfig.preset(preset, tie_weights=False)
+        shape = TransformerShape.from_gpt_config(config)
+        model = TinyGPT(config, seed=0)
+        flops, seconds = [], []
+        for size in micro_batches:
+            x = torch.randint(0, config.vocab_size, (size, config.block_size))
+            seconds.append(time_step(model, lambda net, x=x: net(x, x)[1], repeats=repeats, warmup=2))
+            flops.append(model_flops_per_step(shape, size))
+            say(f"compute: micro-batch {size}: {1e3 * seconds[-1]:.1f} ms forward+backward")
+        # least squares: seconds = flops / rate + 3 * layers * overhead
+        mean_f, mean_s = statistics.fmean(flops), statistics.fmean(seconds)
+        slope = sum((f - mean_f) * (s - mean_s) for f, s in zip(flops, seconds, strict=True)) / sum(
+            (f - mean_f) ** 2 for f in flops)
+        slope = max(slope, 1e-15)
+        overhead = max(0.0, (mean_s - slope * mean_f) / (3 * config.n_layer))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        steps = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            optimizer.step()
+            steps.append(time.perf_counter() - start)
+        parameters = sum(parameter.numel() for parameter in model.parameters())
+        say(f"optimizer: AdamW {1e3 * statistics.median(steps[1:]):.1f} ms for {parameters:,} parameters")
+    finally:
+        torch.set_num_threads(threads)
+    alpha, beta = launch(_ring_link, link_sizes, nprocs=ranks, backend="gloo", timeout=300.0,
+                         rank_output="none")[0]
+    say(f"links: gloo ring step over {ranks} ranks: alpha {1e6 * alpha:.0f} us, {1 / beta / 1e9:.2f} GB/s")
+    return Calibration(1 / slope, overhead, alpha, beta, statistics.median(steps[1:]) / parameters,
+                       os.cpu_count() or 1, ranks, f"{platform.node()} ({platform.processor() or platform.machine()})")

@@ -100,12 +100,19 @@ class Layout:
 @dataclass(frozen=True)
 class Hardware:
     """What a step runs on: FLOP/s one GPU (or rank) achieves on the model's matrices, its links inside a node and
-    across nodes, and how many GPUs a node holds (ranks are numbered node by node, as ``torchrun`` does)."""
+    across nodes, and how many GPUs a node holds (ranks are numbered node by node, as ``torchrun`` does).
+    ``cores``: where ranks share a node's processor cores (gloo ranks on a CPU), how many; ``None`` (GPUs): each
+    rank computes on its own device.  Only :mod:`labkit.costmodel.simulator` models the sharing.
+    ``layer_overhead_s``: a fixed cost per layer and forward pass (twice that per backward) beside the FLOPs —
+    the framework's own time per operation, which dominates tiny models on a CPU and is ~0 for large ones on
+    GPUs (:class:`labkit.costmodel.calibration.Calibration` measures both on this machine)."""
 
     flops: float
     intra_node: LinkModel
     inter_node: LinkModel
     gpus_per_node: int = 8
+    cores: float | None = None
+    layer_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -167,10 +174,10 @@ def stage_times(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
         raise ValueError(f"{p * v} pipeline stages do not divide the {shape.num_layers} layers")
     flops = model_flops_per_step(shape, b, recompute=layout.recompute) / (t * p)
     passes = 4 if layout.recompute else 3  # forward, backward (2x), and the forward again when recomputing
-    forward = flops / passes / hardware.flops
+    layers = shape.num_layers // p
+    forward = flops / passes / hardware.flops + hardware.layer_overhead_s * layers
     one = ring_all_reduce_cost(b * shape.seq_len * shape.hidden_size * value_bytes, t,
                                _link(hardware, 1, t)).time_s if t > 1 else 0.0
-    layers = shape.num_layers // p
     return (global_batch // (d * b), v, forward, forward * (passes - 1), 2 * layers * one,
             (2 + 2 * layout.recompute) * layers * one)
 

@@ -1,0 +1,92 @@
+"""This machine's constants for the cost model: what ``labkit doctor`` measures, saved for the predictions.
+
+A GPU's preset (:data:`labkit.costmodel.compute.GPUS`) gives its datasheet peak and links; a laptop has none,
+and a tiny model on a CPU is far from any peak anyway.  So lesson 11 predicts its CPU runs from constants
+measured here, by :func:`labkit.measure.calibrate`:
+
+- **compute**: one rank's forward and backward of a :class:`~labkit.models.TinyGPT` on one thread, timed at
+  several micro-batch sizes and fitted as ``seconds = FLOPs / flops + layers * layer_overhead_s`` (times 1 for a
+  forward, 2 for a backward): the FLOP rate of the matrices, and the fixed cost of each layer's operations;
+- **links**: the alpha-beta of one ring step over gloo with ``ranks`` ranks sending at once
+  (:func:`labkit.measure.measure_alpha_beta`), the way the ring collectives load the loopback;
+- **optimizer**: AdamW's step, seconds per parameter;
+- **cores**: the processor cores the ranks share (the simulator's processor sharing).
+
+:meth:`Calibration.hardware` turns them into the :class:`~labkit.costmodel.step.Hardware` that
+:func:`~labkit.costmodel.step.predict_step` and :func:`~labkit.costmodel.simulator.simulate_step` take.  They
+are saved as JSON in ``~/.cache/labkit/calibration.json`` (or ``$LABKIT_CALIBRATION``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from labkit.costmodel.collectives import LinkModel
+from labkit.costmodel.step import Hardware
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Constants measured on one machine (see the module docstring); times in seconds."""
+
+    flops: float  # FLOP/s of one rank's passes on one thread
+    layer_overhead_s: float  # fixed seconds per layer and forward (twice per backward)
+    alpha_s: float  # one ring step's latency over gloo
+    beta_s_per_byte: float  # ... and its seconds per byte
+    optimizer_s_per_parameter: float  # AdamW's step
+    cores: int  # processor cores the ranks share
+    ranks: int  # how many ranks sent at once when the links were measured
+    machine: str = ""
+
+    def __post_init__(self) -> None:
+        if self.flops <= 0 or self.cores < 1 or self.ranks < 2:
+            raise ValueError(f"a calibration needs flops > 0, cores >= 1 and ranks >= 2, got {self.flops!r}, "
+                             f"{self.cores!r} and {self.ranks!r}")
+        if min(self.layer_overhead_s, self.alpha_s, self.beta_s_per_byte, self.optimizer_s_per_parameter) < 0:
+            raise ValueError(f"measured times must be >= 0, got {self}")
+
+    @property
+    def link(self) -> LinkModel:
+        return LinkModel(self.alpha_s, self.beta_s_per_byte)
+
+    def hardware(self) -> Hardware:
+        """One host: every rank on these cores, the same loopback link for every group."""
+        return Hardware(self.flops, self.link, self.link, gpus_per_node=1 << 20, cores=self.cores,
+                        layer_overhead_s=self.layer_overhead_s)
+
+    def optimizer_s(self, parameters: float) -> float:
+        return self.optimizer_s_per_parameter * parameters
+
+    def describe(self) -> str:
+        return (f"{self.flops / 1e9:.1f} GFLOP/s per rank (one thread) + {1e6 * self.layer_overhead_s:.0f} us per "
+                f"layer and forward; gloo ring step alpha {1e6 * self.alpha_s:.0f} us, "
+                f"{1 / self.beta_s_per_byte / 1e9:.2f} GB/s ({self.ranks} ranks at once); AdamW "
+                f"{1e9 * self.optimizer_s_per_parameter:.1f} ns per parameter; {self.cores} cores")
+
+
+def default_path() -> Path:
+    """Where ``labkit doctor`` saves the calibration: ``$LABKIT_CALIBRATION``, else ``~/.cache/labkit/``."""
+    configured = os.environ.get("LABKIT_CALIBRATION")
+    return Path(configured) if configured else Path.home() / ".cache" / "labkit" / "calibration.json"
+
+
+def save(calibration: Calibration, path: Path | str | None = None) -> Path:
+    target = Path(path) if path is not None else default_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(asdict(calibration), indent=2) + "\n")
+    return target
+
+
+def load(path: Path | str | None = None) -> Calibration | None:
+    """The saved calibration, or ``None`` when there is none (run ``labkit doctor``).  A file that does not
+    parse as one raises ``ValueError`` naming it."""
+    source = Path(path) if path is not None else default_path()
+    if not source.exists():
+        return None
+    try:
+        return Calibration(**json.loads(source.read_text()))
+    except (TypeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{source} is not a labkit calibration ({error}); run `labkit doctor` to redo it") from error
