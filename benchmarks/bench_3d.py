@@ -19,7 +19,15 @@ into ``2 pp`` micro-batches.  A step's time is its slowest rank's (a barrier bef
    cores, 8 ranks share the CPU: compute does not shrink with more ranks, and the layouts' order says what
    their communication and bubbles cost here, not on GPUs (lesson 11's planner predicts both).
 
-The target (labkit / torch <= 1.0 at 8x1x1) is reported as a PASS/FAIL line; the script always exits 0.
+3. **Predicted beside measured** (lesson 11): this machine calibrated in the same run
+   (``labkit.measure.calibrate``: one rank's FLOP rate and per-layer overhead, the gloo ring step's alpha-beta
+   with 8 ranks at once, AdamW per parameter; 2 cores shared), then each layout's step simulated event by event
+   (``labkit.costmodel.calibration.Calibration.simulate``: processor sharing of the cores, queued sends, the DP
+   reduction after the schedule as ``labkit.train`` runs it).  Printed: measured, predicted, the error, and
+   Spearman's rank correlation of the two orders.
+
+The targets (labkit / torch <= 1.0 at 8x1x1; every prediction within 30 %) are reported as PASS/FAIL lines;
+the script always exits 0.
 """
 
 from __future__ import annotations
@@ -32,13 +40,18 @@ import torch
 import torch.distributed as dist
 
 from labkit import trace
+from labkit.costmodel.calibration import rank_correlation
+from labkit.costmodel.memory import TransformerShape
+from labkit.costmodel.step import Layout
 from labkit.data import MarkovChain, batches
 from labkit.launch import launch
+from labkit.measure import calibrate
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
 from labkit.parallel.parallelize import PARTS, parallelize, step_breakdown
 
 TARGET_RATIO = 1.0
+TARGET_PREDICTION_ERROR = 0.30
 LR = 3e-4
 LAYOUTS = ((8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (2, 4, 1), (1, 2, 4))
 
@@ -159,6 +172,28 @@ def main() -> None:
               + " ".join(f"{1e3 * row['parts'][part]:>16.1f}" for part in PARTS) + f"   {sent}")
     fastest = min(rows, key=lambda row: row["median_s"])
     print(f"   fastest here: {fastest['layout']}")
+
+    print("\n3. predicted beside measured: calibrating this machine ...", flush=True)
+    calibration = calibrate(progress=lambda line: print(f"   {line}", flush=True))
+    print(f"   {calibration.describe()}")
+    shape = TransformerShape.from_gpt_config(config)
+    predicted = []
+    for dp, tp, pp in LAYOUTS:
+        micro = 2 * pp if pp > 1 else 1
+        layout = Layout(dp, tp, pp, micro_batch=args.global_batch // dp // micro)
+        predicted.append(calibration.simulate(shape, layout, args.global_batch))
+    print(f"   {'layout':>7} {'measured':>9} {'predicted':>9} {'error':>7}   predicted parts (ms, mean over ranks)")
+    errors = []
+    for row, step in zip(rows, predicted, strict=True):
+        errors.append(step.step_s / row["median_s"] - 1)
+        parts = ", ".join(f"{part} {1e3 * seconds:.0f}" for part, seconds in step.mean_parts.items() if seconds)
+        print(f"   {row['layout']:>7} {1e3 * row['median_s']:>9.1f} {1e3 * step.step_s:>9.1f} {errors[-1]:>+7.0%}   {parts}")
+    correlation = rank_correlation([row["median_s"] for row in rows], [step.step_s for step in predicted])
+    worst = max(errors, key=abs)
+    print(f"   rank correlation (Spearman) of measured and predicted order: {correlation:+.2f}; "
+          f"largest error {worst:+.0%}")
+    print(f"   {'PASS' if abs(worst) <= TARGET_PREDICTION_ERROR else 'FAIL'}: every prediction within "
+          f"{TARGET_PREDICTION_ERROR:.0%}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The ``labkit`` command: ``labkit doctor | grade | bench | plan``.
 
-- ``labkit doctor`` — what this machine offers (torch, backends, GPUs, CPUs) and a 2-rank gloo all-reduce
-  as a smoke test.  The first thing to run when something is off.
+- ``labkit doctor [--no-calibrate]`` — what this machine offers (torch, backends, GPUs, CPUs) and a 2-rank gloo
+  all-reduce as a smoke test.  The first thing to run when something is off.  Then it calibrates the cost model
+  (``labkit.measure.calibrate``: FLOP/s, the gloo links' alpha-beta, AdamW's step) and saves the constants that
+  lesson 11 predicts this machine's runs from (``labkit.costmodel.calibration``).
 - ``labkit grade [--solutions] [--dir PATH] [--json]`` — score every exercise: a table for a person, JSON
   for an instructor's tooling.
 - ``labkit bench [--quick] [NAME ...]`` — run the benchmarks in ``benchmarks/`` (each compares a labkit
@@ -79,6 +81,24 @@ def doctor(args: argparse.Namespace) -> int:
     if dist.is_main():
         devices = sorted({device for _value, device in results})
         print(f"ok ({values}, on {', '.join(devices)}, {seconds:.2f} s including process start)")
+    if under_torchrun or not getattr(args, "calibrate", True):
+        return 0
+    return _calibrate()
+
+
+def _calibrate() -> int:
+    """Measure this machine's constants for the cost model (lesson 11) and save them."""
+    from labkit.costmodel import calibration
+    from labkit.measure import calibrate
+
+    print("calibration for lesson 11's predictions (about half a minute; --no-calibrate skips it):", flush=True)
+    try:
+        measured = calibrate(progress=lambda line: print(f"  {line}", flush=True))
+    except Exception as error:  # the doctor reports, it does not crash
+        print(f"calibration FAILED\n{error}")
+        return 1
+    path = calibration.save(measured)
+    print(f"  {measured.describe()}\n  saved to {path}")
     return 0
 
 
@@ -158,7 +178,10 @@ def plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="labkit", description="labkit: learn distributed training by building it.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("doctor", help="check this machine and run a 2-rank smoke test").set_defaults(run=doctor)
+    doctor_parser = commands.add_parser("doctor", help="check this machine, run a 2-rank smoke test, calibrate")
+    doctor_parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                               help="skip measuring FLOP/s and the gloo links for lesson 11's predictions")
+    doctor_parser.set_defaults(run=doctor)
     grade_parser = commands.add_parser("grade", help="score every exercise")
     grade_parser.add_argument("--solutions", action="store_true", help="grade solutions/ instead of exercises/")
     grade_parser.add_argument("--dir", metavar="PATH", help="grade the exercise files in this folder")

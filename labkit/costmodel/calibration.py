@@ -25,7 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from labkit.costmodel.collectives import LinkModel
-from labkit.costmodel.step import Hardware
+from labkit.costmodel.memory import TransformerShape, num_parameters
+from labkit.costmodel.simulator import SimulatedStep, simulate_step
+from labkit.costmodel.step import Hardware, Layout
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,14 @@ class Calibration:
     def optimizer_s(self, parameters: float) -> float:
         return self.optimizer_s_per_parameter * parameters
 
+    def simulate(self, shape: TransformerShape, layout: Layout, global_batch: int, value_bytes: int = 4,
+                 overlap_dp: bool = False) -> SimulatedStep:
+        """One step of ``layout`` on this machine's ranks, as ``labkit.train`` runs it by default (fp32, the DP
+        reduction after the schedule, AdamW over each rank's weights)."""
+        optimizer = self.optimizer_s(num_parameters(shape) / (layout.tp * layout.pp))
+        return simulate_step(shape, layout, global_batch, self.hardware(), value_bytes=value_bytes,
+                             overlap_dp=overlap_dp, optimizer_s=optimizer)
+
     def describe(self) -> str:
         return (f"{self.flops / 1e9:.1f} GFLOP/s per rank (one thread) + {1e6 * self.layer_overhead_s:.0f} us per "
                 f"layer and forward; gloo ring step alpha {1e6 * self.alpha_s:.0f} us, "
@@ -90,3 +100,29 @@ def load(path: Path | str | None = None) -> Calibration | None:
         return Calibration(**json.loads(source.read_text()))
     except (TypeError, json.JSONDecodeError) as error:
         raise ValueError(f"{source} is not a labkit calibration ({error}); run `labkit doctor` to redo it") from error
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation of two equally long lists (ties get their mean rank): 1 when both order
+    the items alike, -1 when one reverses the other."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError(f"rank_correlation needs two lists of the same length >= 2, got {len(xs)} and {len(ys)}")
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        result = [0.0] * len(values)
+        start = 0
+        while start < len(order):
+            end = start
+            while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+                end += 1
+            for position in range(start, end + 1):
+                result[order[position]] = (start + end) / 2
+            start = end + 1
+        return result
+
+    a, b = ranks(xs), ranks(ys)
+    mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+    covariance = sum((x - mean_a) * (y - mean_b) for x, y in zip(a, b, strict=True))
+    spread = (sum((x - mean_a) ** 2 for x in a) * sum((y - mean_b) ** 2 for y in b)) ** 0.5
+    return covariance / spread if spread else 0.0

@@ -28,7 +28,6 @@ strong-scaling curves.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,23 +36,11 @@ from typing import Any
 from labkit.costmodel.collectives import ring_all_gather_cost, ring_all_reduce_cost, ring_reduce_scatter_cost
 from labkit.costmodel.compute import mfu, model_flops_per_step
 from labkit.costmodel.memory import num_parameters
-from labkit.costmodel.step import Hardware, Layout, _link, stage_times
-from labkit.parallel.pipeline import schedule as schedules
-from labkit.parallel.pipeline.schedule import Action, Schedule, _inputs
+from labkit.costmodel.step import _TABLES, Hardware, Layout, _link, schedule_table, stage_times
+from labkit.parallel.pipeline.schedule import Action, _inputs
 
 PARTS = ("compute", "tp", "bubble", "pp send", "dp", "zero", "optimizer")
 DDP_BUCKET_BYTES = 25 * 2**20
-_TABLES: dict[str, Callable[[int, int, int], Schedule]] = {
-    "gpipe": lambda p, m, v: schedules.gpipe(p, m), "1f1b": lambda p, m, v: schedules.one_f_one_b(p, m),
-    "zb-h1": lambda p, m, v: schedules.zb_h1(p, m), "interleaved": schedules.interleaved_1f1b}
-
-
-@functools.lru_cache(maxsize=32)
-def _table(schedule: str, p: int, m: int, v: int) -> Schedule:
-    """The schedule's table (building and validating one with thousands of passes takes a while: kept)."""
-    return _TABLES[schedule](p, m, v)
-
-
 @dataclass(frozen=True)
 class SimulatedStep:
     """One simulated step.  ``parts`` splits the last rank to finish (they sum to ``step_s``); ``mean_parts``
@@ -114,7 +101,7 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
     d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
     m, v, forward, backward, tp_forward, tp_backward = stage_times(shape, layout, global_batch, hardware, value_bytes)
     gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
-    table = _table(layout.schedule, p, m, v)
+    table = schedule_table(layout.schedule, p, m, v)
     orders = table.orders()
     backward_kind = {(a.stage, a.microbatch): a.kind for order in orders for a in order if a.kind in "BI"}
     split = any(a.kind == "W" for order in orders for a in order)

@@ -8,6 +8,8 @@ pipeline-parallel terms (the bubble, per-layer all-reduces) join it in their les
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +151,21 @@ def _link(hardware: Hardware, stride: int, size: int) -> LinkModel:
     return hardware.intra_node if inside else hardware.inter_node
 
 
+_TABLES: dict[str, Callable[[int, int, int], schedules.Schedule]] = {
+    "gpipe": lambda p, m, v: schedules.gpipe(p, m), "1f1b": lambda p, m, v: schedules.one_f_one_b(p, m),
+    "zb-h1": lambda p, m, v: schedules.zb_h1(p, m), "interleaved": schedules.interleaved_1f1b}
+
+
+@functools.lru_cache(maxsize=64)
+def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> schedules.Schedule:
+    """The schedule's table (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved"``), built once per
+    ``(p, m, v)``: the planner prices hundreds of layouts that share one, and building one of thousands of
+    passes takes a while."""
+    if schedule not in _TABLES:
+        raise ValueError(f"schedule must be one of {tuple(_TABLES)}, got {schedule!r}")
+    return _TABLES[schedule](p, m, v)
+
+
 def closed_form_makespan(schedule: str, p: int, m: int, forward_s: float, backward_s: float, v: int = 1) -> float:
     """A schedule's makespan for uniform stages and free sends: ``m (F + B)`` plus its bubble, ``(p - 1)(F + B)``
     for GPipe and 1F1B, ``(p - 1)(F + B) / v`` interleaved (``F``, ``B``: a whole stage's, per micro-batch),
@@ -210,14 +227,11 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
     if p > 1:
         link = _link(hardware, d * t, p)
         send = link.alpha_s + b * shape.seq_len * shape.hidden_size * value_bytes * link.beta_s_per_byte
-    table = {"gpipe": lambda: schedules.gpipe(p, m), "1f1b": lambda: schedules.one_f_one_b(p, m),
-             "zb-h1": lambda: schedules.zb_h1(p, m),
-             "interleaved": lambda: schedules.interleaved_1f1b(p, m, v)}
-    if layout.schedule not in table:
-        raise ValueError(f"schedule must be one of {tuple(table)}, got {layout.schedule!r}")
+    if layout.schedule not in _TABLES:
+        raise ValueError(f"schedule must be one of {tuple(_TABLES)}, got {layout.schedule!r}")
     whole_f, whole_b = forward + tp_forward, backward + tp_backward
     without_sends = closed_form_makespan(layout.schedule, p, m, whole_f, whole_b, v)  # the simulator's, exactly
-    total = simulate(table[layout.schedule](), whole_f / v, whole_b / v, send_s=send).total if send \
+    total = simulate(schedule_table(layout.schedule, p, m, v), whole_f / v, whole_b / v, send_s=send).total if send \
         else without_sends
     pp_send = total - without_sends
     bubble = without_sends - m * (whole_f + whole_b)

@@ -17,6 +17,7 @@ as Qi et al. 2023 count).  :attr:`Timeline.peak_activations` is, per stage, the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,6 +63,12 @@ def _per_stage(name: str, value: Seconds, stages: int) -> list[float]:
     return values  # type: ignore[return-value]
 
 
+@functools.lru_cache(maxsize=64)
+def _validated(schedule: Schedule) -> None:
+    """:func:`validate`, once per schedule (a planner simulates one table with many durations)."""
+    validate(schedule)
+
+
 def simulate(schedule: Schedule, forward_s: Seconds = 1.0, backward_s: Seconds = 2.0,
              weight_s: Seconds | None = None, send_s: float = 0) -> Timeline:
     """Place ``schedule``'s actions in time (after :func:`validate`).
@@ -71,7 +78,7 @@ def simulate(schedule: Schedule, forward_s: Seconds = 1.0, backward_s: Seconds =
     rest.  For interleaved schedules the durations are per chunk: pass ``1/v`` of a whole rank's share to
     compare with the same model on ``v = 1``.  Exact numbers (``int``, ``fractions.Fraction``) stay exact.
     """
-    validate(schedule)
+    _validated(schedule)
     stages = schedule.stages
     f = _per_stage("forward_s", forward_s, stages)
     b = _per_stage("backward_s", backward_s, stages)
