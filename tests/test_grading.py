@@ -20,6 +20,7 @@ from labkit.grading.checkers import lr_scaling as lr_scaling_checks
 from labkit.grading.checkers import mixed_precision as mixed_precision_checks
 from labkit.grading.checkers import parameter_server as parameter_server_checks
 from labkit.grading.checkers import pipeline_parallel as pipeline_parallel_checks
+from labkit.grading.checkers import planning as planning_checks
 from labkit.grading.checkers import setup as setup_checks
 from labkit.grading.checkers import tensor_parallel as tensor_parallel_checks
 from labkit.grading.checkers import zero as zero_checks
@@ -250,10 +251,18 @@ def test_labkit_grade_rejects_a_missing_directory():
     assert completed.returncode == 2 and "not a directory" in completed.stderr
 
 
-def test_labkit_doctor_runs_the_smoke_test():
+def test_labkit_doctor_runs_the_smoke_test_and_calibrates(tmp_path, monkeypatch):
+    from labkit.costmodel.calibration import load
+
+    monkeypatch.setenv("LABKIT_CALIBRATION", str(tmp_path / "calibration.json"))
     completed = _labkit("doctor")
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "torch" in completed.stdout and "smoke test" in completed.stdout and "ok ([3.0, 3.0], on cpu" in completed.stdout
+    measured = load(tmp_path / "calibration.json")
+    assert measured is not None and measured.ranks == 8 and 1e8 < measured.flops < 1e13
+    assert f"saved to {tmp_path / 'calibration.json'}" in completed.stdout and "GFLOP/s" in completed.stdout
+    skipped = _labkit("doctor", "--no-calibrate")
+    assert skipped.returncode == 0 and "calibration" not in skipped.stdout
 
 
 def test_labkit_doctor_under_torchrun_checks_the_whole_job():
@@ -506,3 +515,100 @@ def test_the_3d_checks_say_what_went_wrong_and_refuse_both_meshes(name, check, s
     syntax error or a crash), and the hints name the group, the nodes or the ranks."""
     report = grading.check("3d_parallelism", directory=_wrong(name, tmp_path), verbose=False)
     assert says in report.checks[check].message, report.checks[check].message
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exercise 11: a 3D step's time by hand
+
+
+def test_the_planning_guard_refuses_labkits_step_model_planner_and_ring_costs_but_not_the_counts_handed_out():
+    from labkit.costmodel import collectives, planner, simulator, step
+    from labkit.costmodel.compute import GPUS, model_flops_per_step
+    from labkit.costmodel.memory import TransformerShape, num_parameters
+
+    case = planning_checks.CASES[0]
+    cluster = planner.Cluster(GPUS["A100 80GB"], 8)
+    code = step.predict_step.__code__
+    calls = [lambda: step.predict_step(case.shape, case.layout, case.global_batch, case.hardware),
+             lambda: step.stage_times(case.shape, case.layout, case.global_batch, case.hardware),
+             lambda: step.closed_form_makespan("1f1b", 4, 8, 1.0, 2.0),
+             lambda: simulator.simulate_step(case.shape, case.layout, case.global_batch, case.hardware),
+             lambda: planner.plan(case.shape, cluster, 8), lambda: collectives.ring_all_reduce_cost(64, 4),
+             lambda: collectives.ring_reduce_scatter_cost(64, 4)]
+    with guard.forbid(library=guard.LABKIT_IMPLEMENTATIONS + planning_checks.BUILT_INS):
+        for call in calls:
+            with pytest.raises(guard.Forbidden, match="labkit's own implementation"):
+                call()
+        shape = TransformerShape.preset("gpt2")  # what the exercise hands out still works
+        assert num_parameters(shape) == 124_439_808 and model_flops_per_step(shape, 1) > 0
+        assert case.layout.gpus == 1 and case.hardware.intra_node.alpha_s == 5e-6  # reading the arguments
+    assert step.predict_step.__code__ is code
+    assert step.closed_form_makespan("1f1b", 4, 8, 1.0, 2.0) == 33.0
+
+
+def test_the_planning_cases_reach_every_regime_the_exercise_teaches():
+    """Each mistake has a case to fail on: every schedule, recomputation, each degree from 1 to 64, TP inside and
+    across nodes (also where t fits a node but does not divide it), DP hidden, partly exposed and across nodes
+    where d alone would fit, fewer micro-batches than stages."""
+    cases = planning_checks.CASES
+    assert {case.layout.schedule for case in cases} == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert {case.layout.recompute for case in cases} == {False, True}
+    for dim in ("dp", "tp", "pp"):
+        assert {1, 64} <= {getattr(case.layout, dim) for case in cases}, dim
+    assert any(case.tp_link_inside and case.layout.tp > 1 for case in cases)
+    assert any(not case.tp_link_inside and case.layout.tp < case.hardware.gpus_per_node for case in cases)
+    assert any(not case.tp_link_inside and case.layout.tp > case.hardware.gpus_per_node for case in cases)
+    assert any(case.want["dp"] == 0 and case.layout.dp > 1 for case in cases)
+    assert any(0 < case.want["dp"] < case.dp_reduction for case in cases)
+    assert any(not case.dp_link_inside and case.hardware.gpus_per_node % case.layout.dp == 0 for case in cases)
+    assert any(case.m < case.layout.pp for case in cases) and any(case.m > case.layout.pp > 1 for case in cases)
+    assert len({case.v for case in cases}) >= 4
+
+
+def test_the_planning_worked_example_is_what_predict_step_gives_and_both_files_teach_it():
+    from labkit.costmodel.collectives import LinkModel
+    from labkit.costmodel.memory import TransformerShape
+    from labkit.costmodel.step import Hardware, Layout, predict_step
+
+    step = predict_step(TransformerShape.preset("gpt2"), Layout(dp=4, tp=2, pp=2, micro_batch=2), 64,
+                        Hardware(1e14, LinkModel(5e-6, 1 / 300e9), LinkModel(1e-5, 1 / 25e9), gpus_per_node=4))
+    milliseconds = [f"{seconds * 1e3:.2f} ms" for seconds in (step.compute_s, step.tp_s, step.bubble_s, step.dp_s,
+                                                             step.step_s - step.pp_send_s, step.pp_send_s)]
+    assert milliseconds == ["35.00 ms", "3.93 ms", "4.87 ms", "0.63 ms", "44.43 ms", "1.09 ms"]
+    assert (f"{step.forward_s * 1e3:.3f} ms", f"{step.backward_s * 1e3:.3f} ms") == ("1.704 ms", "3.162 ms")
+    texts = [(REPO / folder / "11_planning.py").read_text() for folder in ("exercises", "solutions")]
+    exercise, solution = (text[:text.index('"""', 3)] for text in texts)
+    assert exercise == solution.replace(" by hand (solution).", " by hand.")
+    for number in milliseconds + ["1.704 ms", "3.162 ms", "0.246 ms"]:
+        assert number.replace(" ms", "") in exercise, number
+
+
+@pytest.mark.parametrize("name, check, hints", [
+    ("planning_no_bubble", 2, ["gpt2, dp=1 tp=1 pp=4 ZeRO-0 b=1 1f1b, global batch 8 (m = 8 micro-batches), on A100 "
+                               "nodes of 8", "your \"bubble\" is 0 ms, predict_step's 4.20647 ms ((p - 1)(F + B)",
+                               "no bubble; the first stage waits p - 1 forwards"]),
+    ("planning_bubble_over_m", 2, ["(p - 1) / m is the bubble's fraction of the ideal time m (F + B)"]),
+    ("planning_interleaved_per_chunk", 2, ["interleaved v=3", "divided by v twice: in (p - 1)(F + B) / v, F and B "
+                                           "are the whole rank's"]),
+    ("planning_interleaved_not_over_v", 2, ["not divided by v: interleaving v = 3 chunks per rank"]),
+    ("planning_bubble_without_tp", 2, ["the idle slots last a whole forward and backward, TP's all-reduces"]),
+    ("planning_two_tp_all_reduces", 0, ["tp=2", "one all-reduce per layer each way, where Megatron's layer has two"]),
+    ("planning_two_tp_all_reduces", 2, ["your bubble follows from your forward and backward", "see the first check"]),
+    ("planning_recompute_forgets_tp", 1, ["recompute", "runs the forward's two all-reduces again inside the backward"]),
+    ("planning_ring_without_factor", 0, ["your ring all-reduce sends 2 n beta; it sends 2 (N - 1) / N * n * beta"]),
+    ("planning_ring_without_factor", 3, ["dp=16", "your ring all-reduce sends 2 n beta"]),
+    ("planning_tp_always_intra_node", 0, ["tp=3", "a TP group of t = 3 on nodes of 8 spans nodes"]),
+    ("planning_tp_link_by_size", 1, ["tp=3", "inside one only when t divides the GPUs a node"]),
+    ("planning_dp_link_by_dp_alone", 3, ["a DP group's d = 4 ranks are t = 2 apart: they span t d = 8 ranks, more "
+                                         "than a node of 4 holds"]),
+    ("planning_dp_not_overlapped", 3, ["not overlapped: the reduction starts with the last micro-batch's backward"]),
+    ("planning_dp_fully_overlapped", 3, ["all of it hidden; only one backward (B = 3.73908 ms) runs beside it"]),
+    ("planning_tp_in_compute", 1, ["TP's all-reduces go in \"tp\", not in \"compute\""]),
+    ("planning_labkit_predict_step", 0, ["used labkit.costmodel.step.predict_step, labkit's own implementation"]),
+    ("planning_labkit_ring_cost", 3, ["used labkit.costmodel.collectives.ring_all_reduce_cost, labkit's own"]),
+    ("planning_data_parallel_only", 0, ["tp=2", "the whole model's forward on one rank, as in plain data parallelism"]),
+    ("planning_data_parallel_only", 4, ["your compute and tp differ from predict_step's"]),
+])
+def test_the_planning_hints_name_the_case_the_formula_and_the_mistake(name, check, hints, tmp_path):
+    result = grading.run_check(planning_checks.CHECKS[check], BY_NAME[name].write(tmp_path / name))
+    assert not result.passed and all(hint in result.message for hint in hints), result.message

@@ -58,6 +58,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                       "Checkpointing: save a data-parallel run on rank 0 and resume it bit for bit"),
     "3d_parallelism": ("10_3d_parallelism.py", "labkit.grading.checkers.parallelism_3d",
                        "3D parallelism: the ranks of every TP, DP and PP group, as Megatron lays them out"),
+    "planning": ("11_planning.py", "labkit.grading.checkers.planning",
+                 "Planning a training run: one 3D step's time by hand (compute, TP, bubble, DP)"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0

@@ -64,6 +64,9 @@ LABKIT_IMPLEMENTATIONS = (
     "labkit.checkpoint",  # 09: saving and resuming a run (rank 0 writes, every rank's RNG and sampler states)
     "labkit.checkpoint_files",  # 09: the atomic write and the RNG state helpers
     "labkit.mesh",  # 10: the 3D layout (mesh_groups is megatron_groups) and the Mesh built on it
+    "labkit.costmodel.step",  # 11: the step model (predict_step, stage_times, closed_form_makespan)
+    "labkit.costmodel.planner",  # 11: the planner, which ranks layouts by predict_step
+    "labkit.costmodel.simulator",  # 11: the same step simulated event by event (its parts, the bubble included)
 )
 
 # Collective functions and methods, by name: torch.distributed's all_reduce, all_gather_into_tensor,
