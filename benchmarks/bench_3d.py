@@ -34,44 +34,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from labkit import trace
 from labkit.costmodel.calibration import rank_correlation
 from labkit.costmodel.memory import TransformerShape
 from labkit.costmodel.step import Layout
-from labkit.data import MarkovChain, batches
 from labkit.launch import launch
 from labkit.measure import calibrate
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
-from labkit.parallel.parallelize import PARTS, parallelize, step_breakdown
+from labkit.parallel.layout_timing import LR, slowest_rank_seconds, step_batch, time_layouts
+from labkit.parallel.parallelize import PARTS, parallelize
 
 TARGET_RATIO = 1.0
 TARGET_PREDICTION_ERROR = 0.30
-LR = 3e-4
 LAYOUTS = ((8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (2, 4, 1), (1, 2, 4))
-
-
-def _batch(config: GPTConfig, global_batch: int, dp: int, dp_rank: int, step: int):
-    generator = torch.Generator().manual_seed(step)
-    tokens = MarkovChain(seed=0).sample(20_000, seed=0)
-    x, y = batches(tokens, global_batch, config.block_size, generator)
-    rows = slice(dp_rank * global_batch // dp, (dp_rank + 1) * global_batch // dp)
-    return x[rows], y[rows]
-
-
-def _timed(fn, *args) -> float:
-    """The slowest rank's seconds for ``fn(*args)``, every rank starting together."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn(*args)
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
 
 
 def _against_torch(config: GPTConfig, steps: int, global_batch: int) -> dict:
@@ -95,48 +74,13 @@ def _against_torch(config: GPTConfig, steps: int, global_batch: int) -> dict:
 
     times: dict[str, list[float]] = {"labkit": [], "torch": []}
     for step in range(steps + 2):
-        x, y = _batch(config, global_batch, 8, rank, step)
+        x, y = step_batch(config, global_batch, 8, rank, step)
         order = [("labkit", our_step), ("torch", their_step)]
         for name, fn in order if step % 2 else order[::-1]:
-            seconds = _timed(fn, x, y)
+            seconds = slowest_rank_seconds(fn, x, y)
             if step >= 2:  # warm-up
                 times[name].append(seconds)
     return times
-
-
-def _layout(config: GPTConfig, dp: int, tp: int, pp: int, steps: int, global_batch: int) -> dict | None:
-    mesh = Mesh(dp=dp, tp=tp, pp=pp)
-    micro = 2 * pp if pp > 1 else 1
-    model = parallelize(TinyGPT(config, seed=0), mesh, microbatches=micro,
-                        micro_batch_size=global_batch // dp // micro, seq_len=config.block_size)
-    optimizer = model.make_optimizer(torch.optim.AdamW, lr=LR)
-
-    def step_of(step: int) -> None:
-        x, y = _batch(config, global_batch, dp, mesh.rank("dp"), step)
-        optimizer.zero_grad(set_to_none=True)
-        model.forward_backward(x, y)
-        with trace.span("optimizer step", "compute"):
-            optimizer.step()
-
-    times = [_timed(step_of, step) for step in range(steps + 2)][2:]
-    trace.enable(coords=mesh)
-    step_of(steps + 2)
-    spans = trace.gather()
-    trace.disable()
-    sent: list = [None] * dist.get_world_size()
-    dist.all_gather_object(sent, model.communication_per_step())
-    if dist.get_rank() != 0:
-        return None
-    parts = step_breakdown(spans)
-    mean = {part: statistics.mean(p[part] for p in parts.values()) for part in (*PARTS, "step")}
-    kinds = sorted({kind for per_rank in sent for kind in per_rank})
-    return {"layout": f"{dp}x{tp}x{pp}", "median_s": statistics.median(times), "parts": mean,
-            "bytes": {kind: statistics.mean(r.get(kind, 0) for r in sent) for kind in kinds}}
-
-
-def _layouts(config: GPTConfig, steps: int, global_batch: int) -> list[dict | None]:
-    torch.set_num_threads(1)
-    return [_layout(config, dp, tp, pp, steps, global_batch) for dp, tp, pp in LAYOUTS]
 
 
 def main() -> None:
@@ -145,50 +89,51 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--preset", default="1m")
     parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--no-torch", action="store_true", help="skip part 1 (labkit against torch's DDP)")
     args = parser.parse_args()
     steps = 3 if args.quick else args.steps
     config = GPTConfig.preset(args.preset, tie_weights=False)
     print(f"bench_3d: TinyGPT {args.preset} (untied), global batch {args.global_batch} x {config.block_size} "
           f"tokens, 8 gloo ranks, one thread each, {steps} timed steps after 2 warm-up", flush=True)
 
-    times = launch(_against_torch, config, steps, args.global_batch, nprocs=8, timeout=1800,
-                   rank_output="none")[0]
-    ratios = sorted(a / b for a, b in zip(times["labkit"], times["torch"], strict=True))
-    ratio = statistics.median(ratios)
-    print("\n1. dp=8 (tp=pp=1): labkit parallelize (DDP) against torch DistributedDataParallel")
-    print(f"   median step: labkit {1e3 * statistics.median(times['labkit']):.1f} ms, torch "
-          f"{1e3 * statistics.median(times['torch']):.1f} ms; labkit / torch = {ratio:.2f}x (paired, p25-p75 "
-          f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f})")
-    print(f"   {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}: labkit / torch <= {TARGET_RATIO}")
+    if not args.no_torch:
+        times = launch(_against_torch, config, steps, args.global_batch, nprocs=8, timeout=1800,
+                       rank_output="none")[0]
+        ratios = sorted(a / b for a, b in zip(times["labkit"], times["torch"], strict=True))
+        ratio = statistics.median(ratios)
+        print("\n1. dp=8 (tp=pp=1): labkit parallelize (DDP) against torch DistributedDataParallel")
+        print(f"   median step: labkit {1e3 * statistics.median(times['labkit']):.1f} ms, torch "
+              f"{1e3 * statistics.median(times['torch']):.1f} ms; labkit / torch = {ratio:.2f}x (paired, p25-p75 "
+              f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f})")
+        print(f"   {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}: labkit / torch <= {TARGET_RATIO}")
 
-    rows = launch(_layouts, config, steps, args.global_batch, nprocs=8, timeout=1800, rank_output="none")[0]
+    rows = time_layouts(config, LAYOUTS, steps, args.global_batch)
     print("\n2. six layouts (dp x tp x pp), DDP over dp, 1F1B with 2 pp micro-batches; ms per step (traced step's "
           "parts: mean over ranks)")
     header = f"   {'layout':>7} {'median':>8} " + " ".join(f"{part:>16}" for part in PARTS) + "   MiB/step by dimension"
     print(header)
     for row in rows:
-        sent = ", ".join(f"{kind} {nbytes / 2**20:.2f}" for kind, nbytes in row["bytes"].items())
-        print(f"   {row['layout']:>7} {1e3 * row['median_s']:>8.1f} "
-              + " ".join(f"{1e3 * row['parts'][part]:>16.1f}" for part in PARTS) + f"   {sent}")
-    fastest = min(rows, key=lambda row: row["median_s"])
-    print(f"   fastest here: {fastest['layout']}")
+        sent = ", ".join(f"{kind} {nbytes / 2**20:.2f}" for kind, nbytes in row.sent_bytes.items())
+        print(f"   {row.label:>7} {1e3 * row.median_s:>8.1f} "
+              + " ".join(f"{1e3 * row.parts[part]:>16.1f}" for part in PARTS) + f"   {sent}")
+    fastest = min(rows, key=lambda row: row.median_s)
+    print(f"   fastest here: {fastest.label}")
 
     print("\n3. predicted beside measured: calibrating this machine ...", flush=True)
     calibration = calibrate(progress=lambda line: print(f"   {line}", flush=True))
     print(f"   {calibration.describe()}")
     shape = TransformerShape.from_gpt_config(config)
     predicted = []
-    for dp, tp, pp in LAYOUTS:
-        micro = 2 * pp if pp > 1 else 1
-        layout = Layout(dp, tp, pp, micro_batch=args.global_batch // dp // micro)
-        predicted.append(calibration.simulate(shape, layout, args.global_batch))
+    for row in rows:
+        predicted.append(calibration.simulate(shape, Layout(row.dp, row.tp, row.pp, micro_batch=row.micro_batch),
+                                              args.global_batch))
     print(f"   {'layout':>7} {'measured':>9} {'predicted':>9} {'error':>7}   predicted parts (ms, mean over ranks)")
     errors = []
     for row, step in zip(rows, predicted, strict=True):
-        errors.append(step.step_s / row["median_s"] - 1)
+        errors.append(step.step_s / row.median_s - 1)
         parts = ", ".join(f"{part} {1e3 * seconds:.0f}" for part, seconds in step.mean_parts.items() if seconds)
-        print(f"   {row['layout']:>7} {1e3 * row['median_s']:>9.1f} {1e3 * step.step_s:>9.1f} {errors[-1]:>+7.0%}   {parts}")
-    correlation = rank_correlation([row["median_s"] for row in rows], [step.step_s for step in predicted])
+        print(f"   {row.label:>7} {1e3 * row.median_s:>9.1f} {1e3 * step.step_s:>9.1f} {errors[-1]:>+7.0%}   {parts}")
+    correlation = rank_correlation([row.median_s for row in rows], [step.step_s for step in predicted])
     worst = max(errors, key=abs)
     print(f"   rank correlation (Spearman) of measured and predicted order: {correlation:+.2f}; "
           f"largest error {worst:+.0%}")

@@ -296,10 +296,48 @@ def time_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], dt
 # Calibration: this machine's constants for the cost model (lesson 11, `labkit doctor`)
 
 
-def _ring_link(sizes: tuple[int, ...]) -> tuple[float, float]:
+def _calibration_job(link_sizes: tuple[int, ...], preset: str, micro_batch: int, repeats: int) -> dict:
+    """On each launched rank: the ring step's alpha-beta, the compute curve, and the loaded all-reduce."""
+    from labkit.models import GPTConfig, TinyGPT
+
     torch.set_num_threads(1)
-    link = measure_alpha_beta(sizes, iterations=5, pattern="ring")
-    return link.alpha_s, link.beta_s_per_byte
+    rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
+    ring = measure_alpha_beta(link_sizes, iterations=5, pattern="ring")
+    # compute: n ranks run the same forward+backward at once while the others wait in a barrier (asleep)
+    config = GPTConfig.preset(preset, tie_weights=False)
+    model = TinyGPT(config, seed=0)
+    x = torch.randint(0, config.vocab_size, (micro_batch, config.block_size))
+    levels = sorted({n for n in (1, 2, 4, 8, 16, 32) if n < world} | {world})
+    curve = {}
+    for n in levels:
+        torch_dist.barrier()
+        seconds = torch.zeros(1)
+        if rank < n:
+            seconds[0] = time_step(model, lambda net: net(x, x)[1], repeats=repeats, warmup=1)
+        torch_dist.barrier()
+        torch_dist.all_reduce(seconds)
+        curve[n] = seconds.item() / n
+    # an all-reduce among pairs while every rank computes between them (as tensor parallelism does): its cost
+    # is the loop's time beyond the same loop without it
+    pairs = [torch_dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
+    pair = pairs[rank // 2] if rank < 2 * len(pairs) else None
+    a, b = torch.randn(4 * config.block_size, config.n_embd), torch.randn(config.n_embd, 4 * config.n_embd)
+    loaded = []
+    for nbytes in (0, *link_sizes[1:3]):
+        message = torch.zeros(max(1, nbytes // 4))
+        torch_dist.barrier()
+        start = time.perf_counter()
+        for _ in range(8 * repeats):
+            torch.mm(a, b)
+            if nbytes and pair is not None:
+                torch_dist.all_reduce(message, group=pair)
+        loaded.append((time.perf_counter() - start) / (8 * repeats))
+    torch_dist.barrier()
+    extra = torch.tensor([loaded[1] - loaded[0], loaded[2] - loaded[0]], dtype=torch.float64)
+    torch_dist.all_reduce(extra)
+    extra /= world
+    return {"ring": (ring.alpha_s, ring.beta_s_per_byte), "curve": curve,
+            "loaded": fit_alpha_beta(list(link_sizes[1:3]), [max(1e-9, float(e)) for e in extra])}
 
 
 def calibrate(preset: str = "1m", micro_batches: tuple[int, ...] = (1, 2, 4, 8), ranks: int = 8,
@@ -353,8 +391,23 @@ def calibrate(preset: str = "1m", micro_batches: tuple[int, ...] = (1, 2, 4, 8),
         say(f"optimizer: AdamW {1e3 * statistics.median(steps[1:]):.1f} ms for {parameters:,} parameters")
     finally:
         torch.set_num_threads(threads)
-    alpha, beta = launch(_ring_link, link_sizes, nprocs=ranks, backend="gloo", timeout=300.0,
-                         rank_output="none")[0]
-    say(f"links: gloo ring step over {ranks} ranks: alpha {1e6 * alpha:.0f} us, {1 / beta / 1e9:.2f} GB/s")
+    say(f"compute: {ranks} ranks at once (micro-batch {micro_batches[len(micro_batches) // 2]}) ...")
+    job = launch(_calibration_job, link_sizes, preset, micro_batches[len(micro_batches) // 2], repeats,
+                 nprocs=ranks, backend="gloo", timeout=300.0, rank_output="none")[0]
+    (alpha, beta), loaded, curve = job["ring"], job["loaded"], job["curve"]
+    alone = curve[1]
+    levels = sorted(curve)
+    measured = {n: n * alone / curve[n] for n in levels}  # cores' worth of compute n busy ranks get
+    throughput = []
+    for n in range(1, ranks + 1):  # linear between the measured levels
+        below = max(level for level in levels if level <= n)
+        above = min(level for level in levels if level >= n)
+        weight = 0.0 if above == below else (n - below) / (above - below)
+        throughput.append(measured[below] + weight * (measured[above] - measured[below]))
+    say("compute: " + ", ".join(f"{n} ranks get {measured[n]:.2f} cores" for n in levels))
+    say(f"links: gloo ring step over {ranks} ranks: alpha {1e6 * alpha:.0f} us, {1 / beta / 1e9:.2f} GB/s; "
+        f"an all-reduce of 2 ranks among {ranks} computing: alpha {1e6 * loaded.alpha_s:.0f} us, "
+        f"{1 / loaded.beta_s_per_byte / 1e9:.2f} GB/s")
     return Calibration(1 / slope, overhead, alpha, beta, statistics.median(steps[1:]) / parameters,
-                       os.cpu_count() or 1, ranks, f"{platform.node()} ({platform.processor() or platform.machine()})")
+                       os.cpu_count() or 1, ranks, f"{platform.node()} ({platform.processor() or platform.machine()})",
+                       loaded.alpha_s, loaded.beta_s_per_byte, tuple(throughput))

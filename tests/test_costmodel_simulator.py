@@ -13,7 +13,7 @@ from labkit.costmodel.calibration import Calibration, load, save
 from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
 from labkit.costmodel.compute import GPUS, model_flops_per_step
 from labkit.costmodel.memory import TransformerShape, num_parameters
-from labkit.costmodel.simulator import PARTS, scaling, simulate_step
+from labkit.costmodel.simulator import PARTS, effective_cores, scaling, simulate_step
 from labkit.costmodel.step import Hardware, Layout, closed_form_makespan, predict_step, stage_times
 
 FREE = LinkModel(0.0, 0.0)
@@ -113,6 +113,20 @@ def test_processor_sharing_slows_compute_by_the_ranks_per_core():
     assert shared.parts["bubble"] / shared.step_s < own.parts["bubble"] / own.step_s
 
 
+def test_a_measured_throughput_curve_replaces_the_ideal_cores():
+    """8 ranks on 2 cores may get less than 2 cores' worth (they evict each other's caches): a calibration
+    measures the curve, and the simulator interpolates it."""
+    assert effective_cores(2, 8) == 2 and effective_cores(2, 1) == 1
+    curve = (1.0, 1.8, 1.7, 1.6)
+    assert effective_cores(curve, 1) == 1.0 and effective_cores(curve, 2.5) == pytest.approx(1.75)
+    assert effective_cores(curve, 8) == 1.6
+    shape = TransformerShape(4, 256, 4, 128, 64)
+    layout = Layout(4, 1, 1, micro_batch=1)
+    alone = Hardware(1e10, FREE, FREE, gpus_per_node=64)
+    measured = simulate_step(shape, layout, 4, dataclasses.replace(alone, cores=curve))
+    assert _close(measured.step_s, simulate_step(shape, layout, 4, alone).step_s * 4 / 1.6)
+
+
 def test_optimizer_and_zero_gathers_follow_the_reduction():
     shape = TransformerShape(8, 1024, 16, 512, 32000)
     hardware = Hardware(1e13, LinkModel(1e-5, 1e-10), LinkModel(1e-5, 1e-10), gpus_per_node=1)
@@ -159,14 +173,21 @@ def test_bad_input_is_refused_before_simulating():
 
 
 def test_a_calibration_round_trips_and_refuses_nonsense(tmp_path, monkeypatch):
-    calibration = Calibration(60e9, 1.5e-4, 6e-4, 4e-9, 6e-9, 2, 8, "laptop")
+    calibration = Calibration(60e9, 1.5e-4, 6e-4, 4e-9, 6e-9, 2, 8, "laptop", 2e-3, 5e-9,
+                              (1.0, 1.9, 1.9, 1.8, 1.8, 1.8, 1.7, 1.7))
     path = save(calibration, tmp_path / "calibration.json")
     assert load(path) == calibration
+    assert calibration.hardware().cores == calibration.throughput
+    assert calibration.hardware().intra_node == LinkModel(2e-3, 5e-9)
+    plain = Calibration(60e9, 1.5e-4, 6e-4, 4e-9, 6e-9, 2, 8)
+    assert plain.hardware().cores == 2 and plain.loaded_link == plain.link
+    step = calibration.simulate(TransformerShape(4, 144, 4, 128, 32), Layout(2, 2, 2, micro_batch=4), 32)
+    assert step.parts["optimizer"] > 0 and step.parts["tp"] > 0
     monkeypatch.setenv("LABKIT_CALIBRATION", str(tmp_path / "elsewhere.json"))
     assert load() is None
     save(calibration)
     assert load() == calibration
-    hardware = calibration.hardware()
+    hardware = plain.hardware()
     assert hardware.cores == 2 and hardware.flops == 60e9 and hardware.intra_node == hardware.inter_node
     assert "GFLOP/s" in calibration.describe()
     (tmp_path / "broken.json").write_text(json.dumps({"flops": 1}))

@@ -305,3 +305,21 @@ def test_overlapping_the_dp_reduction_with_the_last_backward_keeps_the_trajector
         assert _mean_losses(runs, index) == pytest.approx(losses, abs=1e-5, rel=0), layout
         full = runs[0][index]["full"]
         assert max((full[name] - state[name]).abs().max().item() for name in state) < 1e-6, layout
+
+
+def test_time_layouts_measures_each_layout_on_one_launch():
+    """What bench_3d and notebook 11 hold the predictions to: each layout's median step, its traced parts and
+    the bytes each dimension moved, every layout on the same launched ranks."""
+    from labkit.parallel.layout_timing import time_layouts
+
+    config = GPTConfig.preset("100k", tie_weights=False)
+    timings = time_layouts(config, [(2, 1, 1), (1, 2, 1), (1, 1, 2)], steps=1, global_batch=8)
+    assert [timing.label for timing in timings] == ["2x1x1", "1x2x1", "1x1x2"]
+    assert all(timing.median_s > 0 and len(timing.steps_s) == 1 for timing in timings)
+    assert [timing.micro_batch for timing in timings] == [4, 8, 2] and timings[2].microbatches == 4
+    assert "tp all_reduce" in timings[1].sent_bytes and "pp send" in timings[2].sent_bytes
+    assert "dp all_reduce" in timings[0].sent_bytes and timings[2].parts["bubble"] > 0
+    with pytest.raises(ValueError, match="same number of ranks"):
+        time_layouts(config, [(2, 1, 1), (4, 1, 1)])
+    with pytest.raises(ValueError, match="global_batch=6 does not split"):
+        time_layouts(config, [(1, 1, 2)], global_batch=6)

@@ -42,8 +42,12 @@ class Calibration:
     cores: int  # processor cores the ranks share
     ranks: int  # how many ranks sent at once when the links were measured
     machine: str = ""
+    loaded_alpha_s: float = 0.0  # an all-reduce between 2 ranks while every rank computes around it
+    loaded_beta_s_per_byte: float = 0.0
+    throughput: tuple[float, ...] = ()  # [n - 1]: the cores' worth of compute n busy ranks get together
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "throughput", tuple(self.throughput))  # JSON gives a list
         if self.flops <= 0 or self.cores < 1 or self.ranks < 2:
             raise ValueError(f"a calibration needs flops > 0, cores >= 1 and ranks >= 2, got {self.flops!r}, "
                              f"{self.cores!r} and {self.ranks!r}")
@@ -54,10 +58,19 @@ class Calibration:
     def link(self) -> LinkModel:
         return LinkModel(self.alpha_s, self.beta_s_per_byte)
 
+    @property
+    def loaded_link(self) -> LinkModel:
+        """The collective as the runs see it: between ranks that compute around it (and a peer that may not be
+        running when it arrives); the plain ring step where it was not measured."""
+        if not self.loaded_alpha_s and not self.loaded_beta_s_per_byte:
+            return self.link
+        return LinkModel(self.loaded_alpha_s, self.loaded_beta_s_per_byte)
+
     def hardware(self) -> Hardware:
-        """One host: every rank on these cores, the same loopback link for every group."""
-        return Hardware(self.flops, self.link, self.link, gpus_per_node=1 << 20, cores=self.cores,
-                        layer_overhead_s=self.layer_overhead_s)
+        """One host: every rank on these cores (their measured curve when there is one), and the loaded link
+        for every group (all of them cross the same loopback, amid the same compute)."""
+        return Hardware(self.flops, self.loaded_link, self.loaded_link, gpus_per_node=1 << 20,
+                        cores=self.throughput or self.cores, layer_overhead_s=self.layer_overhead_s)
 
     def optimizer_s(self, parameters: float) -> float:
         return self.optimizer_s_per_parameter * parameters
@@ -71,10 +84,13 @@ class Calibration:
                              overlap_dp=overlap_dp, optimizer_s=optimizer)
 
     def describe(self) -> str:
+        shared = f" ({self.ranks} busy ranks get {self.throughput[-1]:.2f})" if self.throughput else ""
+        loaded = self.loaded_link
         return (f"{self.flops / 1e9:.1f} GFLOP/s per rank (one thread) + {1e6 * self.layer_overhead_s:.0f} us per "
-                f"layer and forward; gloo ring step alpha {1e6 * self.alpha_s:.0f} us, "
-                f"{1 / self.beta_s_per_byte / 1e9:.2f} GB/s ({self.ranks} ranks at once); AdamW "
-                f"{1e9 * self.optimizer_s_per_parameter:.1f} ns per parameter; {self.cores} cores")
+                f"layer and forward; {self.cores} cores{shared}; gloo ring step alpha {1e6 * self.alpha_s:.0f} us, "
+                f"{1 / self.beta_s_per_byte / 1e9:.2f} GB/s ({self.ranks} ranks at once), amid compute alpha "
+                f"{1e6 * loaded.alpha_s:.0f} us, {1 / loaded.beta_s_per_byte / 1e9:.2f} GB/s; AdamW "
+                f"{1e9 * self.optimizer_s_per_parameter:.1f} ns per parameter")
 
 
 def default_path() -> Path:

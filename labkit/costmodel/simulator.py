@@ -276,7 +276,7 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
         active = replicas * sum(1 for state in ranks if state.index < len(state.segments)
                                 and state.segments[state.index][0] == "compute" and state.started is not None)
         per_host = active * min(world, per_node) / world
-        return min(1.0, hardware.cores / per_host) if per_host else 1.0
+        return min(1.0, effective_cores(hardware.cores, per_host) / per_host) if per_host else 1.0
 
     awake = set(range(p))  # ranks that may move at `now`: their own event is due, or an input just ended
     while True:
@@ -322,6 +322,20 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
     for state in ranks:
         state.timeline.sort()
     return SimulatedStep(layout, m, step_s, parts, mean_parts, [state.timeline for state in ranks], events)
+
+
+def effective_cores(cores: float | tuple[float, ...], active: float) -> float:
+    """The cores' worth of compute ``active`` ranks get together: ``min(active, cores)`` for a number of cores;
+    for a measured curve (``cores[n - 1]``: what ``n`` busy ranks get, :func:`labkit.measure.calibrate`),
+    interpolated linearly between its points and held at its last."""
+    if not isinstance(cores, tuple):
+        return min(active, cores)
+    if active <= 1:
+        return min(active, cores[0])
+    if active >= len(cores):
+        return cores[-1]
+    below = int(active)
+    return cores[below - 1] + (active - below) * (cores[below] - cores[below - 1])
 
 
 # --------------------------------------------------------------------------------------------------------

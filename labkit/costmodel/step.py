@@ -103,8 +103,10 @@ class Layout:
 class Hardware:
     """What a step runs on: FLOP/s one GPU (or rank) achieves on the model's matrices, its links inside a node and
     across nodes, and how many GPUs a node holds (ranks are numbered node by node, as ``torchrun`` does).
-    ``cores``: where ranks share a node's processor cores (gloo ranks on a CPU), how many; ``None`` (GPUs): each
-    rank computes on its own device.  Only :mod:`labkit.costmodel.simulator` models the sharing.
+    ``cores``: where ranks share a node's processor cores (gloo ranks on a CPU), how many — or, measured, a
+    curve: ``cores[n - 1]`` the cores' worth of compute that ``n`` busy ranks get together (8 ranks on 2 cores
+    may get less than 2, evicting each other's caches); ``None`` (GPUs): each rank computes on its own device.
+    Only :mod:`labkit.costmodel.simulator` models the sharing.
     ``layer_overhead_s``: a fixed cost per layer and forward pass (twice that per backward) beside the FLOPs —
     the framework's own time per operation, which dominates tiny models on a CPU and is ~0 for large ones on
     GPUs (:class:`labkit.costmodel.calibration.Calibration` measures both on this machine)."""
@@ -113,7 +115,7 @@ class Hardware:
     intra_node: LinkModel
     inter_node: LinkModel
     gpus_per_node: int = 8
-    cores: float | None = None
+    cores: float | tuple[float, ...] | None = None
     layer_overhead_s: float = 0.0
 
 
