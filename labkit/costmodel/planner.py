@@ -99,22 +99,32 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, sequence_parallel: bool = True
-                  ) -> dict[str, float]:
-    """Bytes per GPU of ``layout`` (mixed precision and Adam): model states, and the first stage's activations."""
+def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, sequence_parallel: bool = True,
+                  flash_attention: bool = False, dropout: bool = True) -> dict[str, float]:
+    """Bytes per GPU of ``layout`` (mixed precision and Adam): model states, and the first stage's activations
+    (``flash_attention``, ``dropout``: as :func:`labkit.costmodel.memory.activation_bytes`).  With
+    recomputation each held micro-batch keeps its layers' inputs, and only the one layer being rebuilt holds
+    its whole activations."""
     d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
     m = global_batch // (d * b)
     held = {"gpipe": m, "interleaved": min(m, p) + 1}.get(layout.schedule, min(m, p))
-    activations = held * activation_bytes(shape, b, checkpointing=layout.recompute, tp_degree=t,
-                                          sequence_parallel=sequence_parallel and t > 1,
-                                          layers=shape.num_layers // p)
+    options = {"tp_degree": t, "sequence_parallel": sequence_parallel and t > 1, "dropout": dropout,
+               "flash_attention": flash_attention}
+    whole = activation_bytes(shape, b, checkpointing=layout.recompute, layers=shape.num_layers // p, **options)
+    if layout.recompute:  # the rebuilt layer once, not once per micro-batch held
+        rebuilt = activation_bytes(shape, b, layers=1, **options)
+        activations = held * (whole - rebuilt) + rebuilt
+    else:
+        activations = held * whole
     return memory_per_rank(num_parameters(shape), "mixed", "adam", layout.zero, d, t, p, activations)
 
 
 def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_batches=(1, 2, 4, 8),
-               schedules=SCHEDULES, zero_stages=(0, 1, 2, 3), recompute=(False, True), virtual_stages: int = 2
-               ) -> list[Layout]:
-    """Every layout whose degrees divide what they split (see the module docstring)."""
+               schedules=SCHEDULES, zero_stages=(0, 1, 2, 3), recompute=(False, True),
+               virtual_stages: int | tuple[int, ...] = 2) -> list[Layout]:
+    """Every layout whose degrees divide what they split (see the module docstring); ``virtual_stages``: the
+    interleaved schedule's stages per rank to try (one or several)."""
+    interleavings = (virtual_stages,) if isinstance(virtual_stages, int) else tuple(virtual_stages)
     found = []
     for t in _divisors(num_gpus):
         if shape.num_heads % t or shape.num_kv_heads % t:
@@ -130,27 +140,31 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
                 for schedule in schedules:
                     if schedule != "1f1b" and p == 1:
                         continue  # one stage: every schedule is the same gradient accumulation
-                    v = virtual_stages if schedule == "interleaved" else 1
-                    if schedule == "interleaved" and (shape.num_layers % (p * v) or m % p):
-                        continue
-                    for zero in zero_stages:
-                        if zero == 3 and schedule in ("interleaved", "zb-h1"):
+                    for v in interleavings if schedule == "interleaved" else (1,):
+                        if schedule == "interleaved" and (shape.num_layers % (p * v) or m % p):
                             continue
-                        found += [Layout(d, t, p, zero, b, r, schedule, v) for r in recompute]
+                        for zero in zero_stages:
+                            if zero == 3 and schedule in ("interleaved", "zb-h1"):
+                                continue
+                            found += [Layout(d, t, p, zero, b, r, schedule, v) for r in recompute]
     return found
 
 
-def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int = 10, **choices) -> PlanResult:
+def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int = 10, flash_attention: bool = False,
+         dropout: bool = True, gradient_bytes: int | None = None, overlap_gather: bool = False, **choices
+         ) -> PlanResult:
     """The ``top`` fastest configurations of ``shape`` on ``cluster`` for a step of ``global_batch`` sequences
     that fit in the device's memory, exactly ranked by :func:`~labkit.costmodel.step.predict_step`
-    (``choices``: :func:`candidates`' keyword arguments)."""
+    (``choices``: :func:`candidates`' keyword arguments; ``flash_attention`` and ``dropout`` go to the memory
+    model, :func:`layout_memory`; ``gradient_bytes`` (4: gradients reduced in fp32, as Megatron does under
+    bf16) and ``overlap_gather`` to the step model)."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an integer >= 1, got {global_batch!r}")
     layouts = candidates(shape, cluster.num_gpus, global_batch, **choices)
     hardware = cluster.hardware()
     fitting, smallest = [], math.inf
     for layout in layouts:
-        memory = layout_memory(shape, layout, global_batch)
+        memory = layout_memory(shape, layout, global_batch, flash_attention=flash_attention, dropout=dropout)
         smallest = min(smallest, memory["total"])
         if memory["total"] <= cluster.gpu.memory_bytes:
             fitting.append((layout, memory))
@@ -164,7 +178,8 @@ def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int 
     for bound, layout, memory in bounded:
         if len(ranked) >= top and bound >= ranked[top - 1].step.step_s:
             break
-        step = predict_step(shape, layout, global_batch, hardware)
+        step = predict_step(shape, layout, global_batch, hardware, gradient_bytes=gradient_bytes,
+                            overlap_gather=overlap_gather)
         ranked.append(Candidate(layout, step, memory, mfu(flops, step.step_s, cluster.num_gpus,
                                                           cluster.gpu.peak_bf16_flops),
                                 global_batch * shape.seq_len / step.step_s))

@@ -202,7 +202,8 @@ def stage_times(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
 
 
 def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2,
-                 gradient_bytes: int | None = None, overlap_dp: bool = True) -> StepTime:
+                 gradient_bytes: int | None = None, overlap_dp: bool = True, overlap_gather: bool = False
+                 ) -> StepTime:
     """One training step of ``shape`` (a :class:`labkit.costmodel.memory.TransformerShape`) under ``layout`` on
     ``hardware``, each term apart (:class:`StepTime`).
 
@@ -218,7 +219,8 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
     - **DP**: one ring all-reduce (ZeRO-2, FSDP: a reduce-scatter) of the stage's ``Psi / (t p)`` gradients
       over the ``d`` replicas (``t`` ranks apart), started as the last backward runs: with ``overlap_dp`` only
       what outlasts one micro-batch's backward is exposed.  ZeRO-1/2 then all-gather the updated weights
-      (exposed); FSDP gathers each stage's weights before every forward and backward, hidden behind the compute
+      (exposed; with ``overlap_gather``, as Megatron's ``--overlap-param-gather``, hidden behind the next
+      step's first forward but for what outlasts it); FSDP gathers each stage's weights before every forward and backward, hidden behind the compute
       it prefetches for, exposed where it is longer.
     """
     d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
@@ -243,11 +245,11 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
     dp_s = zero_s = 0.0
     if d > 1:
         reduce = (ring_reduce_scatter_cost if layout.zero >= 2 else ring_all_reduce_cost)(
-            int(local * gradient_bytes), d, dp_link).time_s
+            int(local) * gradient_bytes, d, dp_link, element_size=gradient_bytes).time_s
         dp_s = max(0.0, reduce - (backward + tp_backward if overlap_dp else 0.0))
-        gather = ring_all_gather_cost(int(local * value_bytes), d, dp_link).time_s
-        if layout.zero in (1, 2):
-            zero_s = gather
+        gather = ring_all_gather_cost(int(local) * value_bytes, d, dp_link, element_size=value_bytes).time_s
+        if layout.zero in (1, 2):  # the updated weights, before the next step (behind its first forward)
+            zero_s = max(0.0, gather - (forward + tp_forward)) if overlap_gather else gather
         elif layout.zero == 3:  # every micro-batch's forward and backward gather the stage, prefetched
             zero_s = m * (max(0.0, gather - forward) + max(0.0, gather - backward))
     return StepTime(layout, m, m * (forward + backward), m * (tp_forward + tp_backward), bubble, pp_send, dp_s,
