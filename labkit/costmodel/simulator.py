@@ -28,6 +28,7 @@ strong-scaling curves.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -207,14 +208,14 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
             elif kind in ("compute", "comm"):
                 if state.started is None:  # begin it
                     state.started = now
-                    if kind == "compute":
+                    if kind == "compute" and sharing:
                         state.remaining = segment[1]
-                        if segment[2][:1].isdigit() and layout.zero == 3 and d > 1:
-                            issue_gather(rank, state)
-                    else:
+                    else:  # a fixed length: it ends when it ends
                         state.end = now + segment[1]
+                    if kind == "compute" and segment[2][:1].isdigit() and layout.zero == 3 and d > 1:
+                        issue_gather(rank, state)
                     moved = True
-                finished = state.remaining <= 0 if kind == "compute" else state.end <= now
+                finished = state.remaining <= 0 if kind == "compute" and sharing else state.end <= now
                 if not finished:
                     return moved
                 if now > state.started:
@@ -278,29 +279,59 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
         per_host = active * min(world, per_node) / world
         return min(1.0, effective_cores(hardware.cores, per_host) / per_host) if per_host else 1.0
 
+    def due(rank: int) -> float | None:
+        """When ``rank``'s current segment ends or can proceed (None: not known yet, or it is done)."""
+        state = ranks[rank]
+        if state.index >= len(state.segments):
+            return None
+        segment = state.segments[state.index]
+        if segment[0] == "compute" and sharing:
+            return now + state.remaining / speed
+        if segment[0] in ("compute", "comm"):
+            return state.end
+        return available(rank, segment)
+
+    def stuck() -> RuntimeError:
+        waiting = [str(state.segments[state.index][:2]) for state in ranks if state.index < len(state.segments)]
+        return RuntimeError(f"the simulation cannot progress (a schedule that deadlocks?): {waiting}")
+
+    sharing = hardware.cores is not None
+    speed = 1.0
     awake = set(range(p))  # ranks that may move at `now`: their own event is due, or an input just ended
-    while True:
+    if not sharing:  # every segment has a fixed length: a queue of when each rank is next due
+        queue: list[tuple[float, int, int]] = []
+        version = [0] * p
+        while True:
+            moved = set()
+            while awake:
+                rank = awake.pop()
+                enter(rank)
+                moved.add(rank)
+            for rank in moved:
+                version[rank] += 1
+                when = due(rank)
+                if when is not None:
+                    heapq.heappush(queue, (when, version[rank], rank))
+            while queue and queue[0][1] != version[queue[0][2]]:
+                heapq.heappop(queue)  # superseded
+            if not queue:
+                if any(state.index < len(state.segments) for state in ranks):
+                    raise stuck()
+                break
+            now = queue[0][0]
+            while queue and queue[0][0] <= now:
+                _, seen, rank = heapq.heappop(queue)
+                if seen == version[rank]:
+                    awake.add(rank)
+    while sharing:  # processor sharing: each compute segment's rate changes whenever the busy ranks do
         while awake:
             enter(awake.pop())
         if all(state.index >= len(state.segments) for state in ranks):
             break
         speed = rate()
-        upcoming: dict[int, float] = {}
-        for rank, state in enumerate(ranks):
-            if state.index >= len(state.segments):
-                continue
-            segment = state.segments[state.index]
-            if segment[0] == "compute":
-                upcoming[rank] = now + state.remaining / speed
-            elif segment[0] == "comm":
-                upcoming[rank] = state.end
-            else:
-                ready = available(rank, segment)
-                if ready is not None:
-                    upcoming[rank] = ready
+        upcoming = {rank: when for rank in range(p) if (when := due(rank)) is not None}
         if not upcoming:
-            stuck = [str(state.segments[state.index][:2]) for state in ranks if state.index < len(state.segments)]
-            raise RuntimeError(f"the simulation cannot progress (a schedule that deadlocks?): {stuck}")
+            raise stuck()
         following = min(upcoming.values())
         awake = {rank for rank, when in upcoming.items() if when <= following}
         elapsed = following - now
