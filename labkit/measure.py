@@ -308,32 +308,37 @@ def _calibration_job(link_sizes: tuple[int, ...], preset: str, micro_batch: int,
     model = TinyGPT(config, seed=0)
     x = torch.randint(0, config.vocab_size, (micro_batch, config.block_size))
     levels = sorted({n for n in (1, 2, 4, 8, 16, 32) if n < world} | {world})
-    curve = {}
-    for n in levels:
+    samples: dict[int, list[float]] = {n: [] for n in levels}
+    for n in levels + levels[::-1]:  # up and down again: a drift in the machine's load shows in both
         torch_dist.barrier()
         seconds = torch.zeros(1)
         if rank < n:
             seconds[0] = time_step(model, lambda net: net(x, x)[1], repeats=repeats, warmup=1)
         torch_dist.barrier()
         torch_dist.all_reduce(seconds)
-        curve[n] = seconds.item() / n
+        samples[n].append(seconds.item() / n)
+    curve = {n: statistics.fmean(values) for n, values in samples.items()}
     # an all-reduce among pairs while every rank computes between them (as tensor parallelism does): its cost
-    # is the loop's time beyond the same loop without it
+    # is the loop's time beyond the same loop without it (warmed up, the sizes interleaved over three rounds)
     pairs = [torch_dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
     pair = pairs[rank // 2] if rank < 2 * len(pairs) else None
     a, b = torch.randn(4 * config.block_size, config.n_embd), torch.randn(config.n_embd, 4 * config.n_embd)
-    loaded = []
-    for nbytes in (0, *link_sizes[1:3]):
-        message = torch.zeros(max(1, nbytes // 4))
-        torch_dist.barrier()
-        start = time.perf_counter()
-        for _ in range(8 * repeats):
-            torch.mm(a, b)
-            if nbytes and pair is not None:
-                torch_dist.all_reduce(message, group=pair)
-        loaded.append((time.perf_counter() - start) / (8 * repeats))
+    sizes = (0, *link_sizes[1:3])
+    loops: dict[int, list[float]] = {nbytes: [] for nbytes in sizes}
+    for round_ in range(4):
+        for nbytes in sizes:
+            message = torch.zeros(max(1, nbytes // 4))
+            torch_dist.barrier()
+            start = time.perf_counter()
+            for _ in range(4 * repeats):
+                torch.mm(a, b)
+                if nbytes and pair is not None:
+                    torch_dist.all_reduce(message, group=pair)
+            if round_:  # the first round warms up
+                loops[nbytes].append((time.perf_counter() - start) / (4 * repeats))
     torch_dist.barrier()
-    extra = torch.tensor([loaded[1] - loaded[0], loaded[2] - loaded[0]], dtype=torch.float64)
+    baseline = statistics.median(loops[0])
+    extra = torch.tensor([statistics.median(loops[n]) - baseline for n in sizes[1:]], dtype=torch.float64)
     torch_dist.all_reduce(extra)
     extra /= world
     return {"ring": (ring.alpha_s, ring.beta_s_per_byte), "curve": curve,

@@ -40,9 +40,9 @@ GPUs    TP  CP  PP  DP   seq. len  batch size/DP  tokens/batch  TFLOPs/GPU  BF16
 16,384  8   16  16  8    131,072   16             16M           380         38%
 ======  ==  ==  ==  ===  ========  =============  ============  ==========  ========
 
-The PDF of arXiv versions 1-2 prints DP = 4 in the last row; 8 x 16 x 16 x 4 is 8,192 GPUs, not 16,384, and
-4 x 16 x 131,072 tokens is 8M, not 16M: DP = 8 (as transcriptions of version 3 give it) is the row that adds up,
-and :class:`PublishedRun` refuses the other.
+The paper prints DP = 4 in the last row (copies of the PDF and of arXiv's HTML page read 4; one transcription of
+arXiv version 3 reads 8); 8 x 16 x 16 x 4 is 8,192 GPUs, not 16,384, and 4 x 16 x 131,072 tokens is 8M, not 16M:
+DP = 8 is the row that adds up, and :class:`PublishedRun` refuses the other.
 
 **Strong scaling, read off a figure.**  The README strong-scales "the standard GPT-3 model (slightly more than 175
 billion parameters due to larger vocabulary size)" from 96 to 4,608 H100s at 1,152 sequences per step, "MFU from
@@ -53,37 +53,62 @@ read within 0.2 % of whole multiples of 48.  No layouts are given: TP 8, PP 6 (D
 published: it is the model table's 177B layout, whose 2,304-GPU row is this figure's 2,304-GPU point at the same
 batch (997.2 PFLOP/s in the table, 1,003.6 read), and it divides every point.
 
-**What the prediction needs and the sources do not say** (:meth:`PublishedRun.layout`):
+**How the runs were run** (:meth:`PublishedRun.memory_options`, :meth:`~PublishedRun.step_options`), where
+the sources say so:
 
-- *micro-batch* 1 sequence (Megatron-LM's own GPT-3 175B example, ``examples/gpt3/train_gpt3_175b_distributed.sh``,
-  uses ``--micro-batch-size 1``; Llama 3 does not say);
-- *the schedule*: interleaved 1F1B with one layer per virtual stage wherever PP > 1.  Megatron-LM (``arguments.py``
-  at that commit) overlaps pipeline sends only in the interleaved schedule, and the README says they were
-  overlapped; the 119B and 462B rows (23 and 7 layers per stage) allow no other virtual-stage count, so every row
-  takes the same rule.  Llama 3 uses the interleaved schedule too and says its first and last stages each give up
-  a layer for the embedding and for the output and loss, the first and last model chunks holding nothing else:
-  chunks of one layer, 126 + 2 = 128 slots, 8 per stage.  labkit splits layers evenly (``L % (p v) == 0``), so
-  the Llama rows' step is predicted on that 128-slot shape (:meth:`PublishedRun.pipeline_shape`), 1.6 % more
-  compute than the model's, while MFU counts the 126-layer model's FLOPs;
-- *ZeRO*: stage 2 in labkit's terms for both.  Megatron's distributed optimizer (which ``--overlap-param-gather``
-  requires) reduce-scatters the gradients and all-gathers the parameters, which is ZeRO-2's traffic in
-  :func:`~labkit.costmodel.step.predict_step` (its ZeRO-1 all-reduces, as ``ZeroRedundancyOptimizer`` does);
-  Llama 3's FSDP "shards optimizer states and gradients" and does not reshard the weights after the forward pass:
-  the same traffic;
-- *gradient bytes*: 4 for Megatron-LM (its ``arguments.py`` turns ``accumulate_allreduce_grads_in_fp32`` on for
-  bf16), 2 for Llama 3 (not published); no activation recomputation (Llama 3: "without activation checkpointing"
-  at 8K; MFU counts the model's FLOPs either way);
-- *the GPT shape*: Megatron-LM's defaults (GELU MLP of 4h, LayerNorm, biases, learned absolute positions) with an
-  untied output layer: the only reading under which "7.1B" and "16B" come out (tied: 6.6B and 15.3B).
+- *flash attention* (memory model: no ``s x s`` attention matrix stored).  Megatron-Core r0.8 builds its GPT
+  layers with Transformer Engine by default (``--transformer-impl transformer_engine``, ``arguments.py`` at
+  ``f2e5db402c``; ``pretrain_gpt.py``, ``gpt_layer_specs.py``), whose attention is ``TEDotProductAttention``,
+  "Transformer-Engine's ``DotProductAttention`` layer that also has 'flash attention' enabled"
+  (``megatron/core/transformer/custom_layers/transformer_engine.py``); every row's heads are 128 wide, the
+  most the README says FlashAttention supports.  Llama 3: *inferred*, the paper's pre-training sections name
+  no attention kernel, but it trains 8K sequences "without activation checkpointing" (section 3.3.2), and the
+  first row's layout stores 386 GB per GPU of activations and states by labkit's memory model with the attention
+  matrices, 94 GB without;
+- *dropout*: Megatron's ``--attention-dropout`` and ``--hidden-dropout`` default to 0.1 (``arguments.py``;
+  ``TransformerConfig`` too) and the README disables neither: masks stored.  Llama 3: *inferred*, the paper
+  names no dropout and Meta's reference model (https://github.com/meta-llama/llama3, ``llama/model.py``) has
+  none: no masks;
+- *gradients reduced in fp32* (``gradient_bytes=4``): Megatron's ``arguments.py`` turns
+  ``accumulate_allreduce_grads_in_fp32`` on for bf16 ("bfloat16 requires gradient accumulation and all-reduce
+  to be done in fp32"), which ``training.py`` passes as ``grad_reduce_in_fp32``; Llama 3 (3.3.2, "Numerical
+  stability") "reduce-scatter[s] gradients in FP32 across data parallel workers in FSDP";
+- *ZeRO-2 traffic, the weights' gather behind the next forward* (``zero=2``, ``overlap_gather``).  Megatron:
+  ``--overlap-grad-reduce --overlap-param-gather`` (README), and ``--overlap-param-gather`` asserts the
+  distributed optimizer (``arguments.py``), which reduce-scatters the gradients and all-gathers the updated
+  weights.  Llama 3's FSDP "shards optimizer states and gradients, but for model shards we do not reshard
+  after forward computation", and DP tolerates latency "by asynchronously prefetching sharded model weights
+  and reducing gradients" (3.3.2): the same traffic.
 
-**Calibration.**  :data:`EFFICIENCY` is the one constant fitted to all of it: the fraction of the H100's peak
-that labkit's step model must give the matrices for its predicted MFU, at the layouts above, to match the
-published MFU of the eleven runs it can express in the least-squares sense (:func:`fit_efficiency`).  The third
-Llama row uses context parallelism, which labkit does not model, and stays out.  What the model leaves out, and
-what the tests print beside each row (``tests/test_costmodel_published.py``): the TP all-reduces, the pipeline
-sends and the parameter all-gather stay on the critical path although both teams overlap them; and one
-efficiency for every size cannot follow the table's own trend (41 % at 1.7B, 49 % at 16B: larger matrices run
-closer to peak).
+**Unverifiable, assumed the same for every row:** *micro-batches* of 1 sequence (Megatron's own
+``examples/gpt3/train_gpt3_175b_distributed.sh`` uses ``--micro-batch-size 1``; Llama 3 does not say); *the
+interleaved schedule with one layer per virtual stage* wherever PP > 1 (Megatron overlaps pipeline sends, as
+the README says they were, only when interleaving, and the 119B and 462B rows, 23 and 7 layers per stage, allow
+no other count; Llama 3 interleaves and gives up a layer on its first and last stages for the embedding and the
+loss: chunks of one layer, 126 + 2 = 128 slots, 8 per stage, the step predicted on that shape,
+:meth:`PublishedRun.pipeline_shape`, 1.6 % more compute, MFU counted on the 126 layers); *no recomputation*
+(the README does not say; Llama 3 says none at 8K).  The GPT shape is Megatron's default (GELU MLP of 4h,
+LayerNorm, biases, learned positions) with an untied output layer: tied, "7.1B" and "16B" would be 6.6B and
+15.3B; without the position table, 32B, 119B and 462B would round to 31B, 118B and 461B.
+
+**What labkit's memory model leaves out:** gradients are counted at 2 bytes, sharded under ZeRO-2, where both
+teams keep a stage's fp32 gradients whole (Megatron's README: with bf16 "the grads in this case are not
+distributed"; Llama 3 accumulates them in fp32 over micro-batches): 7-19 GB per GPU more at these layouts
+(:meth:`PublishedRun.uncounted_gradient_bytes`), which every Megatron row as run still fits.  The Llama layout
+as run comes out at 94 GB, over the 80 GB it ran in: the paper frees each stage's input and output tensors
+early, which labkit's count of ``min(m, p) + 1`` micro-batches of whole stages does not see.
+
+**Calibration.**  :data:`EFFICIENCY` (0.647) is the one constant fitted to all of it: the fraction of the
+H100's peak the matrices must reach for the predicted MFU of the eleven runs labkit can express (the third Llama
+row's context parallelism it cannot) to match the published MFU in the least-squares sense
+(:func:`fit_efficiency`).  With it nine of eleven predictions fall within 5 points and all within 9 (``pytest
+-s tests/test_costmodel_published.py`` prints each row term by term).  The 16B and 32B rows come out 8.5 and 8.9
+points low.  A tenth and a fifth of their predicted step are TP all-reduces, which Megatron hides behind the
+matrices (``--tp-comm-overlap``) and labkit keeps on the critical path: hidden entirely, they would be 5.3 and
+2.1 points low.  A quarter is their fp32 DP reduce-scatter and gather of weights over 48 replicas, which with 4
+micro-batches per replica only the last one's backward and the first one's forward can hide in labkit's model
+(a ring at 50 GB/s per GPU; no in-network reduction).  And one efficiency for every size cannot follow the
+table's own trend (41 % at 1.7B, 49 % at 16B: the 1.7B is 3.1 points high, the 462B 4.0).
 """
 
 from __future__ import annotations
@@ -94,8 +119,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from labkit.costmodel.compute import GPUS, mfu, model_flops_per_step
-from labkit.costmodel.memory import TransformerShape
-from labkit.costmodel.planner import Cluster
+from labkit.costmodel.memory import TransformerShape, num_parameters
+from labkit.costmodel.planner import Cluster, layout_memory
 from labkit.costmodel.step import Layout, StepTime, predict_step
 
 MEGATRON_README = ("NVIDIA, Megatron-LM README, 'Performance Benchmarking' (commit f2e5db402c, 2024-07-15, "
@@ -108,12 +133,14 @@ ARCHITECTURES = ("gpt", "llama")
 
 @dataclass(frozen=True)
 class PublishedRun:
-    """One published run: the model, the layout, the throughput measured, and the unpublished choices that a
-    prediction needs (defaults and sources in the module docstring).
+    """One published run: the model, the layout, the throughput measured, how it was run, and the unpublished
+    choices that a prediction needs (sources and assumptions in the module docstring).
 
     ``tflops_per_gpu`` and ``mfu`` are as printed (``mfu`` a fraction); ``tflops_resolution`` is half a unit of
     the last digit printed (0.05 for 408.8, 5 for 430).  ``global_batch`` counts sequences of ``seq_len``.
-    ``pipeline_layers`` is the layer count the pipeline splits, where it differs from ``num_layers``."""
+    ``pipeline_layers`` is the layer count the pipeline splits, where it differs from ``num_layers``.
+    ``flash_attention`` and ``dropout`` go to the memory model, ``gradient_bytes`` (4: reduced in fp32) and
+    ``overlap_gather`` (ZeRO-1/2's gather of the weights behind the next forward) to the step model."""
 
     name: str
     source: str
@@ -140,13 +167,17 @@ class PublishedRun:
     micro_batch: int = 1
     zero: int = 2
     virtual_stages: int = 1
-    gradient_bytes: int = 2
     pipeline_layers: int | None = None
+    flash_attention: bool = True
+    dropout: bool = True
+    gradient_bytes: int = 4
+    overlap_gather: bool = True
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{self.name}: architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
-        for field in ("gpus", "tp", "pp", "dp", "cp", "global_batch", "micro_batch", "virtual_stages"):
+        for field in ("gpus", "tp", "pp", "dp", "cp", "global_batch", "micro_batch", "virtual_stages",
+                      "gradient_bytes"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.name}: {field} must be an integer >= 1, got {value!r}")
@@ -191,6 +222,30 @@ class PublishedRun:
         schedule = "interleaved" if self.virtual_stages > 1 else "1f1b"
         return Layout(self.dp, self.tp, self.pp, self.zero, self.micro_batch, False, schedule, self.virtual_stages)
 
+    def memory_options(self) -> dict[str, bool]:
+        """How the run held its activations: :func:`~labkit.costmodel.planner.layout_memory`'s options."""
+        return {"flash_attention": self.flash_attention, "dropout": self.dropout}
+
+    def step_options(self) -> dict[str, int | bool]:
+        """How the run communicated: :func:`~labkit.costmodel.step.predict_step`'s options."""
+        return {"gradient_bytes": self.gradient_bytes, "overlap_gather": self.overlap_gather}
+
+    def plan_options(self) -> dict[str, int | bool]:
+        """Both, for :func:`~labkit.costmodel.planner.plan`."""
+        return self.memory_options() | self.step_options()
+
+    def memory(self, layout: Layout | None = None) -> dict[str, float]:
+        """Bytes per GPU by labkit's memory model of ``layout`` (default: :meth:`layout`) of this run."""
+        return layout_memory(self.pipeline_shape(), self.layout() if layout is None else layout, self.global_batch,
+                             **self.memory_options())
+
+    def uncounted_gradient_bytes(self, layout: Layout | None = None) -> float:
+        """The fp32 gradients of a whole stage that the run keeps, beyond the gradients :meth:`memory` counts
+        (module docstring)."""
+        layout = self.layout() if layout is None else layout
+        whole = self.gradient_bytes * num_parameters(self.pipeline_shape()) / (layout.tp * layout.pp)
+        return whole - self.memory(layout)["gradients"]
+
     def cluster(self, efficiency: float) -> Cluster:
         """The run's GPUs (:data:`labkit.costmodel.compute.GPUS`) at ``efficiency`` of peak on the matrices."""
         if self.gpu not in GPUS:
@@ -210,7 +265,7 @@ def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
               tflops: float, percent: int, pflops: float) -> PublishedRun:
     return PublishedRun(size, MEGATRON_README + ", images/model_table.png", layers, hidden, heads, 4096, 131072,
                         size, gpus, tp, pp, dp, batch, tflops, 0.05, percent / 100, aggregate_pflops=pflops,
-                        virtual_stages=layers // pp if pp > 1 else 1, gradient_bytes=4)
+                        virtual_stages=layers // pp if pp > 1 else 1)
 
 
 MEGATRON_WEAK_SCALING = (
@@ -232,7 +287,7 @@ def _llama(gpus: int, tp: int, cp: int, pp: int, dp: int, seq_len: int, batch_pe
     return PublishedRun(f"405B, {gpus} GPUs, seq {seq_len}", LLAMA3_PAPER + ", Table 4 (shape: Table 3)", 126,
                         16384, 128, seq_len, 128256, "405B", gpus, tp, pp, dp, dp * batch_per_dp, tflops, 5.0,
                         percent / 100, cp=cp, ffn_hidden_size=53248, num_kv_heads=8, architecture="llama",
-                        virtual_stages=8, pipeline_layers=128)
+                        virtual_stages=8, pipeline_layers=128, dropout=False)
 
 
 LLAMA3_405B = (
@@ -292,13 +347,13 @@ def megatron_flops_per_step(shape: TransformerShape, batch: int) -> float:
 # Predicted beside published
 
 
-EFFICIENCY = 0.667  # fit_efficiency(run for run in RUNS if run.modelled), rounded to 0.001
+EFFICIENCY = 0.647  # fit_efficiency(run for run in RUNS if run.modelled), rounded to 0.001
 
 
 def predict(run: PublishedRun, efficiency: float = EFFICIENCY) -> tuple[StepTime, float]:
     """labkit's predicted step of ``run`` at its :meth:`~PublishedRun.layout`, and the MFU it implies."""
     step = predict_step(run.pipeline_shape(), run.layout(), run.global_batch, run.cluster(efficiency).hardware(),
-                        gradient_bytes=run.gradient_bytes)
+                        **run.step_options())
     return step, mfu(run.model_flops(), step.step_s, run.gpus, GPUS[run.gpu].peak_bf16_flops)
 
 
