@@ -183,13 +183,6 @@ def validate(schedule: Schedule) -> None:
     ``I``.  A rank that blocks on an action it runs later, or ranks that all block on one another (the sends
     and receives cannot be matched), is a deadlock.
     """
-    _check_actions(schedule)
-    _execute(schedule, lambda action: 1)
-    object.__setattr__(schedule, "_valid", True)  # simulate() need not run it again
-
-
-def _check_actions(schedule: Schedule) -> None:
-    """:func:`validate`'s rules on the actions themselves (who runs what, each once); not their order."""
     counts: Counter[Action] = Counter()
     for rank, order in enumerate(schedule.orders()):
         for action in order:
@@ -214,6 +207,7 @@ def _check_actions(schedule: Schedule) -> None:
                 if kind in need and kind not in has:
                     raise ValueError(f"{schedule.name}: {Action(stage, kind, mb)} is missing; every stage runs "
                                      f"F and B (or I and W) once for each of the m={schedule.m} micro-batches")
+    _execute(schedule, lambda action: 1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -223,16 +217,14 @@ def _check_actions(schedule: Schedule) -> None:
 def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]]) -> Schedule:
     """Time slots for ``orders``: every action one slot long, starting as soon as its rank and inputs allow."""
     unplaced = Schedule(p, m, v, name, orders)
-    _check_actions(unplaced)  # validate(), its run kept: the slots come from it
+    validate(unplaced)
     table: list[list[Action | None]] = []
     for events in _execute(unplaced, lambda action: 1):
         row: list[Action | None] = [None] * (int(events[-1][1]) if events else 0)
         for start, _, action in events:
             row[int(start)] = action
         table.append(row)
-    placed = Schedule(p, m, v, name, table)
-    object.__setattr__(placed, "_valid", True)  # the same orders, just run: valid
-    return placed
+    return Schedule(p, m, v, name, table)
 
 
 def gpipe(p: int, m: int) -> Schedule:

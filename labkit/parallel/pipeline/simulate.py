@@ -17,6 +17,7 @@ as Qi et al. 2023 count).  :attr:`Timeline.peak_activations` is, per stage, the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,11 +63,10 @@ def _per_stage(name: str, value: Seconds, stages: int) -> list[float]:
     return values  # type: ignore[return-value]
 
 
+@functools.lru_cache(maxsize=64)
 def _validated(schedule: Schedule) -> None:
-    """:func:`validate`, once per schedule: a generator's table or one validated before is marked valid (a
-    planner simulates one table with many durations)."""
-    if not getattr(schedule, "_valid", False):
-        validate(schedule)
+    """:func:`validate`, once per schedule (a planner simulates one table with many durations)."""
+    validate(schedule)
 
 
 def simulate(schedule: Schedule, forward_s: Seconds = 1.0, backward_s: Seconds = 2.0,
