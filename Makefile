@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Jupyter refuses to run as root (containers, CI) unless told to.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test bench lint doctor grade clean-venv
+.PHONY: lab test nbval bench lint doctor grade clean-venv
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "labkit needs Python 3.10+, found " + sys.version' 
@@ -21,21 +21,24 @@ lab: $(STAMP)  ## open the course in JupyterLab (prints the URL; never needs a b
 
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=300
 
-# Unit, distributed, grading and browser tests and every notebook under nbval (solutions mode), in two pytest runs.
-# First everything that does not time itself, spread over $(WORKERS) processes, a test file each at a time, the
-# longest first (tests/conftest.py; most tests wait on ranks and sockets as much as they compute).  Then, one at a
-# time, what asserts on measured time (the `timing` marker: the notebooks, the browser test, a few unit tests),
-# which beside other tests would measure them.  Both runs always run; the target fails if either does.  The
-# notebooks are checked twice: by nbval with this CPU's own kernels, and by the browser test's Run All with
-# PyTorch's portable ones (ATEN_CPU_CAPABILITY=default), its outputs compared with the stored ones as nbval does:
-# what a notebook stores is what any learner's CPU reproduces.
+# Unit, distributed, grading and browser tests, in two pytest runs.  First everything that does not time itself,
+# spread over $(WORKERS) processes, a test file each at a time, the longest first (tests/conftest.py; most tests
+# wait on ranks and sockets as much as they compute).  Then, one at a time, what asserts on measured time (the
+# `timing` marker: the browser test, a few unit tests), which beside other tests would measure them.  Both runs
+# always run; the target fails if either does.  The browser test runs every notebook (Run All in JupyterLab) with
+# PyTorch's portable kernels (ATEN_CPU_CAPABILITY=default) and compares each cell's outputs with the stored ones
+# as nbval does; `make nbval` checks them again with this CPU's own kernels, and CI (.ci/run) runs both: what a
+# notebook stores is what any learner's CPU reproduces.
 WORKERS ?= 2
-PYTEST  := LABKIT_SOLUTIONS=1 $(BIN)/python -m pytest tests notebooks $(NBVAL)
-test: $(STAMP)  ## the whole suite (see README: Developing)
+PYTEST  := LABKIT_SOLUTIONS=1 $(BIN)/python -m pytest
+test: $(STAMP)  ## the whole suite but nbval (see README: Developing)
 	@status=0; \
-	$(PYTEST) -m "not timing" -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || status=1; \
-	$(PYTEST) -m timing -p no:xdist $(PYTEST_ARGS) || status=1; \
+	$(PYTEST) tests -m "not timing" -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || status=1; \
+	$(PYTEST) tests -m timing -p no:xdist $(PYTEST_ARGS) || status=1; \
 	exit $$status
+
+nbval: $(STAMP)  ## every notebook under nbval (solutions mode, this CPU's kernels), one at a time
+	$(PYTEST) notebooks $(NBVAL) -p no:xdist $(PYTEST_ARGS)
 
 bench: $(STAMP)  ## benchmarks against PyTorch's built-ins, ratios printed
 	$(BIN)/labkit bench

@@ -19,9 +19,12 @@ into ``2 pp`` micro-batches.  A step's time is its slowest rank's (a barrier bef
    cores, 8 ranks share the CPU: compute does not shrink with more ranks, and the layouts' order says what
    their communication and bubbles cost here, not on GPUs (lesson 11's planner predicts both).
 
-3. **Predicted beside measured** (lesson 11): this machine calibrated in the same run
-   (``labkit.measure.calibrate``: one rank's FLOP rate and per-layer overhead, the gloo ring step's alpha-beta
-   with 8 ranks at once, AdamW per parameter; 2 cores shared), then each layout's step simulated event by event
+3. **Predicted beside measured** (lesson 11): this machine calibrated in the same run, just before the layouts
+   are timed and just after (``labkit.calibrate.calibrate``: one rank's FLOP rate and per-layer and per-pass
+   overheads, the share of the cores 8 busy ranks get and their stragglers, the gloo ring step's alpha-beta with
+   8 ranks at once and amid compute, AdamW per parameter), the two averaged
+   (``labkit.costmodel.calibration.average``: a machine whose speed drifts is predicted at the window's mean),
+   then each layout's step simulated event by event
    (``labkit.costmodel.calibration.Calibration.simulate``: processor sharing of the cores, queued sends, the DP
    reduction after the schedule as ``labkit.train`` runs it).  Printed: measured, predicted, the error, and
    Spearman's rank correlation of the two orders.
@@ -38,11 +41,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from labkit.costmodel.calibration import rank_correlation
+from labkit.calibrate import calibrate
+from labkit.costmodel.calibration import average, rank_correlation
 from labkit.costmodel.memory import TransformerShape
 from labkit.costmodel.step import Layout
 from labkit.launch import launch
-from labkit.measure import calibrate
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
 from labkit.parallel.layout_timing import LR, slowest_rank_seconds, step_batch, time_layouts
@@ -107,6 +110,8 @@ def main() -> None:
               f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f})")
         print(f"   {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}: labkit / torch <= {TARGET_RATIO}")
 
+    print("\n3. predicted beside measured: calibrating this machine before the layouts are timed ...", flush=True)
+    before = calibrate(progress=lambda line: print(f"   {line}", flush=True))
     rows = time_layouts(config, LAYOUTS, steps, args.global_batch)
     print("\n2. six layouts (dp x tp x pp), DDP over dp, 1F1B with 2 pp micro-batches; ms per step (traced step's "
           "parts: mean over ranks)")
@@ -119,9 +124,11 @@ def main() -> None:
     fastest = min(rows, key=lambda row: row.median_s)
     print(f"   fastest here: {fastest.label}")
 
-    print("\n3. predicted beside measured: calibrating this machine ...", flush=True)
-    calibration = calibrate(progress=lambda line: print(f"   {line}", flush=True))
-    print(f"   {calibration.describe()}")
+    print("\n3. predicted beside measured: calibrating again, after the timings ...", flush=True)
+    after = calibrate(progress=lambda line: print(f"   {line}", flush=True))
+    calibration = average([before, after])
+    print(f"   before: {before.describe()}\n   after:  {after.describe()}\n   the two averaged: "
+          f"{calibration.describe()}; the FLOP rate drifted {after.flops / before.flops - 1:+.0%} over the run")
     shape = TransformerShape.from_gpt_config(config)
     predicted = []
     for row in rows:

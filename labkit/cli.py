@@ -2,7 +2,7 @@
 
 - ``labkit doctor [--no-calibrate]`` — what this machine offers (torch, backends, GPUs, CPUs) and a 2-rank gloo
   all-reduce as a smoke test.  The first thing to run when something is off.  Then it calibrates the cost model
-  (``labkit.measure.calibrate``: FLOP/s, the gloo links' alpha-beta, AdamW's step) and saves the constants that
+  (``labkit.calibrate.calibrate``: FLOP/s, the gloo links' alpha-beta, AdamW's step) and saves the constants that
   lesson 11 predicts this machine's runs from (``labkit.costmodel.calibration``).
 - ``labkit grade [--solutions] [--dir PATH] [--json]`` — score every exercise: a table for a person, JSON
   for an instructor's tooling.
@@ -88,8 +88,8 @@ def doctor(args: argparse.Namespace) -> int:
 
 def _calibrate() -> int:
     """Measure this machine's constants for the cost model (lesson 11) and save them."""
+    from labkit.calibrate import calibrate
     from labkit.costmodel import calibration
-    from labkit.measure import calibrate
 
     print("calibration for lesson 11's predictions (about half a minute; --no-calibrate skips it):", flush=True)
     try:

@@ -13,7 +13,7 @@ from labkit.costmodel.calibration import Calibration, load, save
 from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
 from labkit.costmodel.compute import GPUS, model_flops_per_step
 from labkit.costmodel.memory import TransformerShape, num_parameters
-from labkit.costmodel.simulator import PARTS, effective_cores, scaling, simulate_step
+from labkit.costmodel.simulator import PARTS, effective_cores, scaling, simulate_step, straggle_factor
 from labkit.costmodel.step import Hardware, Layout, closed_form_makespan, predict_step, stage_times
 
 FREE = LinkModel(0.0, 0.0)
@@ -127,6 +127,32 @@ def test_a_measured_throughput_curve_replaces_the_ideal_cores():
     assert _close(measured.step_s, simulate_step(shape, layout, 4, alone).step_s * 4 / 1.6)
 
 
+def test_a_group_waits_for_its_slowest_rank_where_ranks_share_cores():
+    """Time slices are not shared fairly over short times: a TP group waits after each pass for its slowest rank
+    (straggle[t - 1] - 1 times the pass), the replicas before their reduction (that of the step so far); only
+    where ranks share cores, and one rank never waits for itself."""
+    assert straggle_factor((1.0, 1.2, 1.3), 1) == 1.0 and straggle_factor((1.0, 1.2, 1.3), 2) == 1.2
+    assert straggle_factor((1.0, 1.2, 1.3), 8) == 1.3 and straggle_factor((), 4) == 1.0
+    shape = TransformerShape(4, 256, 4, 128, 64)
+    link = LinkModel(1e-4, 1e-9)
+    alone = Hardware(1e10, link, link, gpus_per_node=64, cores=8)
+    slow = dataclasses.replace(alone, straggle=(1.0, 1.5, 1.5, 1.5))
+    tensor = Layout(1, 2, 1, micro_batch=1)  # one pass each way, each followed by its all-reduces
+    even, uneven = simulate_step(shape, tensor, 4, alone), simulate_step(shape, tensor, 4, slow)
+    assert _close(uneven.parts["compute"], even.parts["compute"])
+    assert _close(uneven.parts["tp"] - even.parts["tp"], 0.5 * even.parts["compute"])
+    assert any(what.startswith("tp wait") for _, _, what in uneven.timeline[0])
+    data = Layout(2, 1, 1, micro_batch=1)  # the replicas wait before their all-reduce for the slowest one
+    even, uneven = simulate_step(shape, data, 4, alone, overlap_dp=False), simulate_step(
+        shape, data, 4, slow, overlap_dp=False)
+    assert _close(uneven.parts["dp"] - even.parts["dp"], 0.5 * even.parts["compute"])
+    one = Layout(1, 1, 1, micro_batch=1)
+    assert _close(simulate_step(shape, one, 4, slow).step_s, simulate_step(shape, one, 4, alone).step_s)
+    on_gpus = dataclasses.replace(slow, cores=None)  # each rank on its own device: no sharing, no straggler
+    assert _close(simulate_step(shape, tensor, 4, on_gpus).step_s,
+                  simulate_step(shape, tensor, 4, dataclasses.replace(alone, cores=None)).step_s)
+
+
 def test_optimizer_and_zero_gathers_follow_the_reduction():
     shape = TransformerShape(8, 1024, 16, 512, 32000)
     hardware = Hardware(1e13, LinkModel(1e-5, 1e-10), LinkModel(1e-5, 1e-10), gpus_per_node=1)
@@ -174,10 +200,11 @@ def test_bad_input_is_refused_before_simulating():
 
 def test_a_calibration_round_trips_and_refuses_nonsense(tmp_path, monkeypatch):
     calibration = Calibration(60e9, 1.5e-4, 6e-4, 4e-9, 6e-9, 2, 8, "laptop", 2e-3, 5e-9,
-                              (1.0, 1.9, 1.9, 1.8, 1.8, 1.8, 1.7, 1.7))
+                              (1.0, 1.9, 1.9, 1.8, 1.8, 1.8, 1.7, 1.7), (1.0, 1.1, 1.15, 1.2, 1.2, 1.2, 1.25, 1.3))
     path = save(calibration, tmp_path / "calibration.json")
     assert load(path) == calibration
     assert calibration.hardware().cores == calibration.throughput
+    assert calibration.hardware().straggle == calibration.straggle and "slowest of 8" in calibration.describe()
     assert calibration.hardware().intra_node == LinkModel(2e-3, 5e-9)
     plain = Calibration(60e9, 1.5e-4, 6e-4, 4e-9, 6e-9, 2, 8)
     assert plain.hardware().cores == 2 and plain.loaded_link == plain.link

@@ -2,15 +2,18 @@
 
 A GPU's preset (:data:`labkit.costmodel.compute.GPUS`) gives its datasheet peak and links; a laptop has none,
 and a tiny model on a CPU is far from any peak anyway.  So lesson 11 predicts its CPU runs from constants
-measured here, by :func:`labkit.measure.calibrate`:
+measured here, by :func:`labkit.calibrate.calibrate`:
 
 - **compute**: one rank's forward and backward of a :class:`~labkit.models.TinyGPT` on one thread, timed at
-  several micro-batch sizes and fitted as ``seconds = FLOPs / flops + layers * layer_overhead_s`` (times 1 for a
-  forward, 2 for a backward): the FLOP rate of the matrices, and the fixed cost of each layer's operations;
+  several micro-batch sizes and two depths, fitted as ``seconds = FLOPs / flops + layers * layer_overhead_s +
+  pass_overhead_s`` (times 1 for a forward, 2 for a backward): the FLOP rate of the matrices, the fixed cost of
+  each layer's operations and that of a pass;
 - **links**: the alpha-beta of one ring step over gloo with ``ranks`` ranks sending at once
   (:func:`labkit.measure.measure_alpha_beta`), the way the ring collectives load the loopback;
 - **optimizer**: AdamW's step, seconds per parameter;
-- **cores**: the processor cores the ranks share (the simulator's processor sharing).
+- **cores**: the processor cores the ranks share (the simulator's processor sharing), the compute ``n`` busy
+  ranks get from them together (``throughput``), and how much longer than their mean the slowest of ``g`` of
+  them takes for the same forward and backward (``straggle``: what a synchronisation of ``g`` ranks waits for).
 
 :meth:`Calibration.hardware` turns them into the :class:`~labkit.costmodel.step.Hardware` that
 :func:`~labkit.costmodel.step.predict_step` and :func:`~labkit.costmodel.simulator.simulate_step` take.  They
@@ -21,7 +24,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+import statistics
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from labkit.costmodel.collectives import LinkModel
@@ -45,13 +49,16 @@ class Calibration:
     loaded_alpha_s: float = 0.0  # an all-reduce between 2 ranks while every rank computes around it
     loaded_beta_s_per_byte: float = 0.0
     throughput: tuple[float, ...] = ()  # [n - 1]: the cores' worth of compute n busy ranks get together
+    straggle: tuple[float, ...] = ()  # [g - 1]: the slowest of g of the busy ranks over their mean
+    pass_overhead_s: float = 0.0  # fixed seconds per forward pass whatever its layers (twice per backward)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "throughput", tuple(self.throughput))  # JSON gives a list
+        object.__setattr__(self, "straggle", tuple(self.straggle))
         if self.flops <= 0 or self.cores < 1 or self.ranks < 2:
             raise ValueError(f"a calibration needs flops > 0, cores >= 1 and ranks >= 2, got {self.flops!r}, "
                              f"{self.cores!r} and {self.ranks!r}")
-        if min(self.layer_overhead_s, self.alpha_s, self.beta_s_per_byte, self.optimizer_s_per_parameter) < 0:
+        if min(self.layer_overhead_s, self.pass_overhead_s, self.alpha_s, self.beta_s_per_byte, self.optimizer_s_per_parameter) < 0:
             raise ValueError(f"measured times must be >= 0, got {self}")
 
     @property
@@ -70,7 +77,8 @@ class Calibration:
         """One host: every rank on these cores (their measured curve when there is one), and the loaded link
         for every group (all of them cross the same loopback, amid the same compute)."""
         return Hardware(self.flops, self.loaded_link, self.loaded_link, gpus_per_node=1 << 20,
-                        cores=self.throughput or self.cores, layer_overhead_s=self.layer_overhead_s)
+                        cores=self.throughput or self.cores, layer_overhead_s=self.layer_overhead_s,
+                        straggle=self.straggle, pass_overhead_s=self.pass_overhead_s)
 
     def optimizer_s(self, parameters: float) -> float:
         return self.optimizer_s_per_parameter * parameters
@@ -85,12 +93,34 @@ class Calibration:
 
     def describe(self) -> str:
         shared = f" ({self.ranks} busy ranks get {self.throughput[-1]:.2f})" if self.throughput else ""
+        if self.straggle:
+            shared += f", the slowest of {len(self.straggle)} {self.straggle[-1]:.2f}x their mean"
         loaded = self.loaded_link
         return (f"{self.flops / 1e9:.1f} GFLOP/s per rank (one thread) + {1e6 * self.layer_overhead_s:.0f} us per "
-                f"layer and forward; {self.cores} cores{shared}; gloo ring step alpha {1e6 * self.alpha_s:.0f} us, "
+                f"layer and {1e6 * self.pass_overhead_s:.0f} us per pass, forward; {self.cores} cores{shared}; gloo ring step alpha {1e6 * self.alpha_s:.0f} us, "
                 f"{1 / self.beta_s_per_byte / 1e9:.2f} GB/s ({self.ranks} ranks at once), amid compute alpha "
                 f"{1e6 * loaded.alpha_s:.0f} us, {1 / loaded.beta_s_per_byte / 1e9:.2f} GB/s; AdamW "
                 f"{1e9 * self.optimizer_s_per_parameter:.1f} ns per parameter")
+
+
+def average(calibrations: list[Calibration]) -> Calibration:
+    """One machine's calibrations, measured around a run (before it and after), as one: each time constant's
+    mean (the FLOP rate's harmonic mean: it is a time per FLOP that adds up), the curves point by point.  A
+    machine whose speed drifts while the run is timed is then predicted at the speed of the whole window."""
+    if not calibrations:
+        raise ValueError("average needs at least one calibration")
+    values = {}
+    for item in fields(Calibration):
+        measured = [getattr(calibration, item.name) for calibration in calibrations]
+        if item.name == "flops":
+            values[item.name] = statistics.harmonic_mean(measured)
+        elif isinstance(measured[0], float):
+            values[item.name] = statistics.fmean(measured)
+        elif isinstance(measured[0], tuple) and all(len(m) == len(measured[0]) for m in measured):
+            values[item.name] = tuple(map(statistics.fmean, zip(*measured, strict=True)))
+        else:  # the machine, its cores and ranks; curves of different lengths: the first calibration's
+            values[item.name] = measured[0]
+    return Calibration(**values)
 
 
 def default_path() -> Path:

@@ -18,6 +18,8 @@ and tensor-parallel all-reduces, the ring costs of :mod:`labkit.costmodel.collec
   ``min(1, cores / active)`` of full speed, ``active`` being the ranks computing at that moment (processor
   sharing, re-evaluated at every event) — how 8 gloo ranks on a 2-core laptop behave, where a rank waiting in a
   bubble or on a socket gives its core to the others.
+  Nor is it fair over short times: with ``hardware.straggle``, a TP group waits after each pass for its slowest
+  rank, ``straggle[t - 1] - 1`` times the pass, and a bucket leaves at ``straggle[d - 1]`` times its own time.
 
 The data-parallel replicas (and the tensor-parallel ranks of a stage) run identical timelines, so one replica's
 ``p`` pipeline ranks are simulated, each standing for its ``d t`` twins: ``~3 m p`` passes, a second or less at
@@ -67,7 +69,7 @@ class SimulatedStep:
 class _Rank:
     """One pipeline rank's state while the simulation runs."""
 
-    segments: list[tuple]  # ("wait", action, inputs) | ("gather", index) | ("compute", s, label) | ("comm", s, label) | ...
+    segments: list[tuple]  # (kind, ...): "wait", "gather", "compute", "comm", "straggle", "dp", "done"
     index: int = 0
     remaining: float = 0.0  # of the compute segment under way (seconds at full speed)
     started: float | None = None  # when the current segment began
@@ -126,6 +128,7 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
             if action.kind in ("W" if split else "B"):
                 last_gradient[action.stage] = action
     ids = {action: index for index, action in enumerate(a for order in orders for a in order)}
+    tp_straggle, dp_straggle = (straggle_factor(hardware.straggle if hardware.cores else (), n) for n in (t, d))
     ranks: list[_Rank] = []
     for rank, order in enumerate(orders):
         segments: list[tuple] = []
@@ -137,6 +140,8 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
                 segments.append(("gather", index))
             segments.append(("compute", compute[action.kind], str(action)))
             if comm[action.kind]:
+                if tp_straggle > 1:  # the TP group waits for its slowest rank's share of that compute
+                    segments.append(("straggle", tp_straggle, f"tp wait {action}"))
                 segments.append(("comm", comm[action.kind], f"tp {action}"))
             segments.append(("done", action))
         segments.append(("dp",))
@@ -162,7 +167,8 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
     now, events = 0.0, 0
 
     def issue_buckets(rank: int, ready_times: list[float]) -> None:
-        for k, ready in enumerate(ready_times):
+        for k, ready in enumerate(ready_times):  # each once the slowest replica has it too
+            ready *= dp_straggle
             start = max(ready, dp_free[rank])
             dp_free[rank] = start + bucket_s
             ranks[rank].timeline.append((start, dp_free[rank], f"dp bucket {k}"))
@@ -205,10 +211,13 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
                         state.parts["bubble"] += waited - sending
                     else:
                         state.parts["zero" if kind == "gather" else "dp"] += waited
-            elif kind in ("compute", "comm"):
+            elif kind in ("compute", "comm", "straggle"):
                 if state.started is None:  # begin it
                     state.started = now
-                    if kind == "compute" and sharing:
+                    if kind == "straggle":  # (factor - 1) times the compute before it
+                        last = state.timeline[-1] if state.timeline else (now, now)
+                        state.end = now + (segment[1] - 1) * (last[1] - last[0])
+                    elif kind == "compute" and sharing:
                         state.remaining = segment[1]
                     else:  # a fixed length: it ends when it ends
                         state.end = now + segment[1]
@@ -287,16 +296,15 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
         segment = state.segments[state.index]
         if segment[0] == "compute" and sharing:
             return now + state.remaining / speed
-        if segment[0] in ("compute", "comm"):
+        if segment[0] in ("compute", "comm", "straggle"):
             return state.end
         return available(rank, segment)
 
     def stuck() -> RuntimeError:
-        waiting = [str(state.segments[state.index][:2]) for state in ranks if state.index < len(state.segments)]
-        return RuntimeError(f"the simulation cannot progress (a schedule that deadlocks?): {waiting}")
+        return RuntimeError("the simulation cannot progress (a schedule that deadlocks?): " + str(
+            [state.segments[state.index][:2] for state in ranks if state.index < len(state.segments)]))
 
-    sharing = hardware.cores is not None
-    speed = 1.0
+    sharing, speed = hardware.cores is not None, 1.0
     awake = set(range(p))  # ranks that may move at `now`: their own event is due, or an input just ended
     if not sharing:  # every segment has a fixed length: a queue of when each rank is next due
         queue: list[tuple[float, int, int]] = []
@@ -355,9 +363,15 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
     return SimulatedStep(layout, m, step_s, parts, mean_parts, [state.timeline for state in ranks], events)
 
 
+def straggle_factor(straggle: tuple[float, ...], ranks: int) -> float:
+    """How many times their mean the slowest of ``ranks`` takes (``Hardware.straggle``, held at its last point;
+    1 for one rank or none measured)."""
+    return max(1.0, straggle[min(ranks, len(straggle)) - 1]) if ranks > 1 and straggle else 1.0
+
+
 def effective_cores(cores: float | tuple[float, ...], active: float) -> float:
     """The cores' worth of compute ``active`` ranks get together: ``min(active, cores)`` for a number of cores;
-    for a measured curve (``cores[n - 1]``: what ``n`` busy ranks get, :func:`labkit.measure.calibrate`),
+    for a measured curve (``cores[n - 1]``: what ``n`` busy ranks get, :func:`labkit.calibrate.calibrate`),
     interpolated linearly between its points and held at its last."""
     if not isinstance(cores, tuple):
         return min(active, cores)

@@ -109,7 +109,12 @@ class Hardware:
     Only :mod:`labkit.costmodel.simulator` models the sharing.
     ``layer_overhead_s``: a fixed cost per layer and forward pass (twice that per backward) beside the FLOPs —
     the framework's own time per operation, which dominates tiny models on a CPU and is ~0 for large ones on
-    GPUs (:class:`labkit.costmodel.calibration.Calibration` measures both on this machine)."""
+    GPUs (:class:`labkit.costmodel.calibration.Calibration` measures both on this machine);
+    ``pass_overhead_s`` the same per pass whatever its layers (embedding, loss, the autograd engine's start).
+    ``straggle``: where ranks share cores, ``straggle[g - 1]`` is how many times their mean the slowest of ``g``
+    ranks takes for the same work started together (the scheduler's time slices are not shared fairly over
+    tens of milliseconds); a synchronisation of ``g`` ranks waits for that one (only the simulator models it:
+    :func:`labkit.costmodel.simulator.straggle_factor`).  Empty: every rank keeps pace."""
 
     flops: float
     intra_node: LinkModel
@@ -117,6 +122,8 @@ class Hardware:
     gpus_per_node: int = 8
     cores: float | tuple[float, ...] | None = None
     layer_overhead_s: float = 0.0
+    straggle: tuple[float, ...] = ()
+    pass_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -194,7 +201,7 @@ def stage_times(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
     flops = model_flops_per_step(shape, b, recompute=layout.recompute) / (t * p)
     passes = 4 if layout.recompute else 3  # forward, backward (2x), and the forward again when recomputing
     layers = shape.num_layers // p
-    forward = flops / passes / hardware.flops + hardware.layer_overhead_s * layers
+    forward = flops / passes / hardware.flops + hardware.layer_overhead_s * layers + hardware.pass_overhead_s
     one = ring_all_reduce_cost(b * shape.seq_len * shape.hidden_size * value_bytes, t,
                                _link(hardware, 1, t)).time_s if t > 1 else 0.0
     return (global_batch // (d * b), v, forward, forward * (passes - 1), 2 * layers * one,
