@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from labkit.costmodel.calibration import Calibration, load, save
+from labkit.costmodel.calibration import Calibration, average, load, save
 from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
 from labkit.costmodel.compute import GPUS, model_flops_per_step
 from labkit.costmodel.memory import TransformerShape, num_parameters
@@ -222,3 +222,18 @@ def test_a_calibration_round_trips_and_refuses_nonsense(tmp_path, monkeypatch):
         load(tmp_path / "broken.json")
     with pytest.raises(ValueError, match="flops > 0"):
         Calibration(0, 0, 0, 0, 0, 2, 8)
+
+
+def test_calibrations_around_a_run_average_to_the_window_it_ran_in():
+    """Measured before and after a run on a machine whose speed drifts: each time constant's mean, the FLOP rate's
+    harmonic mean (a time per FLOP), the curves point by point, the machine's own facts kept."""
+    before = Calibration(40e9, 2e-4, 6e-4, 4e-9, 8e-9, 2, 8, "laptop", 2e-3, 5e-9, (1.0, 1.9), (1.0, 1.1), 1e-4)
+    after = Calibration(60e9, 4e-4, 8e-4, 2e-9, 12e-9, 2, 8, "laptop", 4e-3, 3e-9, (1.0, 1.7), (1.0, 1.3), 3e-4)
+    both = average([before, after])
+    assert both.flops == pytest.approx(48e9) and both.layer_overhead_s == pytest.approx(3e-4)
+    assert both.pass_overhead_s == pytest.approx(2e-4) and both.loaded_alpha_s == pytest.approx(3e-3)
+    assert both.throughput == pytest.approx((1.0, 1.8)) and both.straggle == pytest.approx((1.0, 1.2))
+    assert (both.cores, both.ranks, both.machine) == (2, 8, "laptop")
+    assert average([before]) == before
+    with pytest.raises(ValueError, match="at least one"):
+        average([])
