@@ -58,7 +58,8 @@ class Calibration:
         if self.flops <= 0 or self.cores < 1 or self.ranks < 2:
             raise ValueError(f"a calibration needs flops > 0, cores >= 1 and ranks >= 2, got {self.flops!r}, "
                              f"{self.cores!r} and {self.ranks!r}")
-        if min(self.layer_overhead_s, self.pass_overhead_s, self.alpha_s, self.beta_s_per_byte, self.optimizer_s_per_parameter) < 0:
+        if min(self.layer_overhead_s, self.pass_overhead_s, self.alpha_s, self.beta_s_per_byte,
+               self.optimizer_s_per_parameter) < 0:
             raise ValueError(f"measured times must be >= 0, got {self}")
 
     @property
@@ -97,7 +98,8 @@ class Calibration:
             shared += f", the slowest of {len(self.straggle)} {self.straggle[-1]:.2f}x their mean"
         loaded = self.loaded_link
         return (f"{self.flops / 1e9:.1f} GFLOP/s per rank (one thread) + {1e6 * self.layer_overhead_s:.0f} us per "
-                f"layer and {1e6 * self.pass_overhead_s:.0f} us per pass, forward; {self.cores} cores{shared}; gloo ring step alpha {1e6 * self.alpha_s:.0f} us, "
+                f"layer and {1e6 * self.pass_overhead_s:.0f} us per pass, forward; {self.cores} cores{shared}; "
+                f"gloo ring step alpha {1e6 * self.alpha_s:.0f} us, "
                 f"{1 / self.beta_s_per_byte / 1e9:.2f} GB/s ({self.ranks} ranks at once), amid compute alpha "
                 f"{1e6 * loaded.alpha_s:.0f} us, {1 / loaded.beta_s_per_byte / 1e9:.2f} GB/s; AdamW "
                 f"{1e9 * self.optimizer_s_per_parameter:.1f} ns per parameter")

@@ -128,7 +128,8 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
             if action.kind in ("W" if split else "B"):
                 last_gradient[action.stage] = action
     ids = {action: index for index, action in enumerate(a for order in orders for a in order)}
-    tp_straggle, dp_straggle = (straggle_factor(hardware.straggle if hardware.cores else (), n) for n in (t, d))
+    shared = hardware.straggle if hardware.cores is not None else ()  # on GPUs every rank has its own device
+    tp_straggle, dp_straggle = (straggle_factor(shared, n) for n in (t, d))
     ranks: list[_Rank] = []
     for rank, order in enumerate(orders):
         segments: list[tuple] = []
