@@ -30,7 +30,8 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cf
 # as nbval does; `make nbval` checks them again with this CPU's own kernels, and CI (.ci/run) runs both: what a
 # notebook stores is what any learner's CPU reproduces.
 WORKERS ?= 2
-PYTEST  := LABKIT_SOLUTIONS=1 $(BIN)/python -m pytest
+# Notebooks run in strict mode: a measured claim that misses its band fails (labkit/claims.py).
+PYTEST  := LABKIT_SOLUTIONS=1 LABKIT_STRICT_CLAIMS=1 $(BIN)/python -m pytest
 test: $(STAMP)  ## the whole suite but nbval (see README: Developing)
 	@status=0; \
 	$(PYTEST) tests -m "not timing" -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || status=1; \

@@ -54,6 +54,7 @@ def store(path: Path, timeout: int = 600) -> float:
     """Execute ``path`` in the exercises' mode, strip widget views, write it back; return the seconds taken."""
     notebook = nbformat.read(path, as_version=4)
     environment = {key: value for key, value in os.environ.items() if key != "LABKIT_SOLUTIONS"}
+    environment["LABKIT_STRICT_CLAIMS"] = "1"  # what is stored holds every claim (labkit/claims.py)
     start = time.perf_counter()
     previous = dict(os.environ)
     os.environ.clear()

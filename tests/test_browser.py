@@ -174,7 +174,8 @@ class Lab:
         self.environment = environment = {key: value for key, value in os.environ.items()
                                           if key != "LABKIT_SOLUTIONS"}
         environment.update(JUPYTER_CONFIG_DIR=str(root / "config"), JUPYTER_RUNTIME_DIR=str(root / "runtime"),
-                           JUPYTER_DATA_DIR=str(root / "data"), IPYTHONDIR=str(root / "ipython"), **PORTABLE)
+                           JUPYTER_DATA_DIR=str(root / "data"), IPYTHONDIR=str(root / "ipython"),
+                           LABKIT_STRICT_CLAIMS="1", **PORTABLE)  # a measured claim that misses fails the test
         self.trust(*(root / "notebooks").glob("*.ipynb"))
         command = [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser", "--ip=127.0.0.1",
                    f"--port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",

@@ -27,7 +27,7 @@ LAYERS = [  # lowest first; a module's layer is the first prefix that matches
                               "labkit.parallel.pipeline.simulate")),
     ("runtime", ("labkit.dist", "labkit.collective_log", "labkit.collective_check", "labkit.worker", "labkit.launch",
                  "labkit.mesh", "labkit.trace",
-                 "labkit.collectives", "labkit.measure", "labkit.calibrate")),
+                 "labkit.collectives", "labkit.measure", "labkit.calibrate", "labkit.claims")),
     ("parallel", ("labkit.parallel",)),
     ("recipes", ("labkit.lr", "labkit.precision", "labkit.recompute", "labkit.checkpoint",
                  "labkit.checkpoint_files")),

@@ -16,37 +16,16 @@ time of one step.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+from labkit.costmodel import hardware
 
 SECONDS_PER_DAY = 86_400.0
 BYTES_PER_PARAMETER_MIXED_ADAM = 16  # 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master, m, v)
 
 
-@dataclass(frozen=True)
-class GPU:
-    """A GPU's memory, dense bf16 peak (fp16 on the V100) and links (vendor datasheet figures, without
-    sparsity).  Bandwidths are bytes per second one GPU can send in one direction: ``nvlink_bandwidth`` to the
-    GPUs of its node, ``network_bandwidth`` (its share of the node's InfiniBand NICs) to other nodes."""
-
-    name: str
-    memory_bytes: float
-    peak_bf16_flops: float
-    nvlink_bandwidth: float = 0.0
-    network_bandwidth: float = 0.0
-    gpus_per_node: int = 8
-    source: str = ""
-
-
-GPUS = {
-    # V100 SXM2: 125 TFLOP/s fp16 tensor, NVLink 2 300 GB/s total; DGX-2 nodes of 16, 8x EDR 100 Gb/s per node
-    "V100 32GB": GPU("V100 32GB", 32e9, 125e12, 150e9, 6.25e9, 16, "NVIDIA V100 datasheet; DGX-2 user guide"),
-    # A100 SXM: 312 TFLOP/s bf16, NVLink 3 600 GB/s total (300 each way); DGX A100: 8x HDR 200 Gb/s per node
-    "A100 80GB": GPU("A100 80GB", 80e9, 312e12, 300e9, 25e9, 8, "NVIDIA A100 datasheet; DGX A100 user guide"),
-    # H100 SXM: 989 TFLOP/s bf16 dense, NVLink 4 900 GB/s total (450 each way); DGX H100: 8x NDR 400 Gb/s
-    "H100 80GB": GPU("H100 80GB", 80e9, 989e12, 450e9, 50e9, 8, "NVIDIA H100 datasheet; DGX H100 user guide"),
-    "H200 141GB": GPU("H200 141GB", 141e9, 989e12, 450e9, 50e9, 8, "NVIDIA H200 datasheet (H100's compute)"),
-}
+# The GPUs' presets live in labkit.costmodel.hardware (one source for every lesson); they are re-exported here.
+GPU, GPUS = hardware.GPU, hardware.GPUS
 
 
 def training_flops(parameters: float, tokens: float) -> float:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from labkit.costmodel import hardware
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPU, mfu, model_flops_per_step
 from labkit.costmodel.memory import TransformerShape, activation_bytes, memory_per_rank, num_parameters
@@ -44,8 +45,8 @@ class Cluster:
     gpu: GPU
     num_gpus: int
     efficiency: float = 0.5
-    intra_latency_s: float = 5e-6
-    inter_latency_s: float = 10e-6
+    intra_latency_s: float = hardware.NVLINK_LATENCY_S
+    inter_latency_s: float = hardware.INFINIBAND_LATENCY_S
 
     def __post_init__(self) -> None:
         if isinstance(self.num_gpus, bool) or not isinstance(self.num_gpus, int) or self.num_gpus < 1:

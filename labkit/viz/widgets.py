@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import ipywidgets as widgets
 
 from labkit import lr
-from labkit.costmodel import collectives, compute, memory, tensor_parallel
+from labkit.costmodel import collectives, compute, hardware, memory, tensor_parallel
 from labkit.costmodel import step as step_model
 from labkit.viz import plots, tensor_plots, training_plots
 
@@ -282,9 +282,9 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
                                       layout=ROW), verdict, picture])
 
 
-# One GPU's links, per direction (sources in tensor_parallel_explorer's docstring).
-GPU_LINKS = {"NVLink 4 (inside a node)": collectives.LinkModel(alpha_s=5e-6, beta_s_per_byte=1 / 450e9),
-             "InfiniBand NDR (across nodes)": collectives.LinkModel(alpha_s=8e-6, beta_s_per_byte=1 / 50e9)}
+# One GPU's links, per direction (labkit.costmodel.hardware: the one source of the course's link constants).
+GPU_LINKS = {"NVLink 4 (inside a node)": hardware.NVLINK.model(),
+             "InfiniBand NDR (across nodes)": hardware.INFINIBAND.model()}
 
 
 def tensor_parallel_explorer(hidden_size: int = 8192, seq_len: int = 4096, micro_batch: int = 1,
@@ -304,7 +304,7 @@ def tensor_parallel_explorer(hidden_size: int = 8192, seq_len: int = 4096, micro
     - InfiniBand NDR: 400 Gb/s = 50 GB/s per port, one ConnectX-7 port per GPU in a DGX H100 (NVIDIA DGX H100
       datasheet; NDR is the InfiniBand Trade Association's 100 Gb/s-per-lane rate, 4 lanes to a port).
 
-    Their latencies (5 and 8 us) are lesson 02's assumptions.  Every link but the last reaches only the
+    Their latencies are ``labkit.costmodel.hardware``'s (its docstring says where they come from).  Every link but the last reaches only the
     ``node_size`` GPUs of one node, so a larger group's ring crosses the last link and is as slow as it is:
     past ``node_size`` the others are costed as the last one.
     """

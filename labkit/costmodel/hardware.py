@@ -1,0 +1,89 @@
+"""One place for the hardware the course prices: GPUs (memory, peak, links) and the links between them.
+
+Every lesson, widget, planner and grader reads these constants from here, so that a figure quoted in lesson 01
+is the one lesson 11 plans with.  Each constant says where it comes from: a vendor datasheet for bandwidths and
+peaks, NVIDIA's NCCL for latencies.
+
+**Bandwidths** are bytes per second that one GPU sends in *one direction*.  NVLink 4 on an H100 SXM moves 900
+GB/s in both directions together, so 450 GB/s each way; an H100 node's InfiniBand gives each GPU one 400 Gb/s
+NDR port, 50 GB/s.  A ring all-reduce is limited by the one-way bandwidth of its slowest link.
+
+**Latencies** (the alpha of lesson 01's alpha-beta model, per message of a ring) are not on any datasheet.
+NCCL's own tuning model (``src/graph/tuning.cc``: a base latency per collective and a hardware latency per ring
+step, a few microseconds for NVLink and more for the network) puts one step of a ring at a few microseconds
+inside a node and around ten across nodes; labkit takes 5 us over NVLink and PCIe and 10 us over InfiniBand, and
+50 us over TCP on Ethernet (a kernel socket round trip).  They matter only for small messages: at the sizes of
+a training step the bandwidth term dominates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.costmodel.collectives import LinkModel
+
+# Per-message latencies (module docstring: NCCL's tuning model, and a socket's round trip for TCP).
+NVLINK_LATENCY_S = 5e-6
+PCIE_LATENCY_S = 5e-6
+INFINIBAND_LATENCY_S = 10e-6
+ETHERNET_TCP_LATENCY_S = 50e-6
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU's memory, dense bf16 peak (fp16 on the V100) and links (vendor datasheet figures, without
+    sparsity).  Bandwidths are bytes per second one GPU can send in one direction: ``nvlink_bandwidth`` to the
+    GPUs of its node, ``network_bandwidth`` (its share of the node's InfiniBand NICs) to other nodes."""
+
+    name: str
+    memory_bytes: float
+    peak_bf16_flops: float
+    nvlink_bandwidth: float = 0.0
+    network_bandwidth: float = 0.0
+    gpus_per_node: int = 8
+    source: str = ""
+
+    def intra_node_link(self) -> LinkModel:
+        """The link between two GPUs of one node (NVLink), per direction."""
+        return LinkModel(NVLINK_LATENCY_S, 1 / self.nvlink_bandwidth)
+
+    def inter_node_link(self) -> LinkModel:
+        """The link between GPUs of different nodes (InfiniBand), per GPU and direction."""
+        return LinkModel(INFINIBAND_LATENCY_S, 1 / self.network_bandwidth)
+
+
+GPUS = {
+    # V100 SXM2: 125 TFLOP/s fp16 tensor, NVLink 2 300 GB/s total; DGX-2 nodes of 16, 8x EDR 100 Gb/s per node
+    "V100 32GB": GPU("V100 32GB", 32e9, 125e12, 150e9, 6.25e9, 16, "NVIDIA V100 datasheet; DGX-2 user guide"),
+    # A100 SXM: 312 TFLOP/s bf16, NVLink 3 600 GB/s total (300 each way); DGX A100: 8x HDR 200 Gb/s per node
+    "A100 80GB": GPU("A100 80GB", 80e9, 312e12, 300e9, 25e9, 8, "NVIDIA A100 datasheet; DGX A100 user guide"),
+    # H100 SXM: 989 TFLOP/s bf16 dense, NVLink 4 900 GB/s total (450 each way); DGX H100: 8x NDR 400 Gb/s
+    "H100 80GB": GPU("H100 80GB", 80e9, 989e12, 450e9, 50e9, 8, "NVIDIA H100 datasheet; DGX H100 user guide"),
+    "H200 141GB": GPU("H200 141GB", 141e9, 989e12, 450e9, 50e9, 8, "NVIDIA H200 datasheet (H100's compute)"),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A kind of link, per direction: its latency, its bandwidth and where both come from."""
+
+    name: str
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    source: str
+
+    def model(self) -> LinkModel:
+        return LinkModel(alpha_s=self.latency_s, beta_s_per_byte=1 / self.bandwidth_bytes_per_s)
+
+
+H100 = GPUS["H100 80GB"]
+LINKS = {
+    "NVLink 4 (H100, inside a node)": Link("NVLink 4", NVLINK_LATENCY_S, H100.nvlink_bandwidth,
+                                           "NVIDIA H100 datasheet: 900 GB/s both ways, 450 GB/s each way"),
+    "InfiniBand NDR (across nodes)": Link("InfiniBand NDR", INFINIBAND_LATENCY_S, H100.network_bandwidth,
+                                          "NVIDIA DGX H100 datasheet: one 400 Gb/s ConnectX-7 port per GPU"),
+    "PCIe 4.0 x16": Link("PCIe 4.0 x16", PCIE_LATENCY_S, 25e9,
+                         "PCI-SIG: 16 GT/s x 16 lanes, 32 GB/s raw each way, about 25 GB/s in practice"),
+    "10 Gb Ethernet (TCP)": Link("10 Gb Ethernet", ETHERNET_TCP_LATENCY_S, 1.25e9, "IEEE 802.3ae: 10 Gb/s"),
+}
+NVLINK, INFINIBAND = LINKS["NVLink 4 (H100, inside a node)"], LINKS["InfiniBand NDR (across nodes)"]
