@@ -7,7 +7,8 @@ Lesson 00 starts here, with the two reasons training is distributed at all:
   parameter** before a single activation.  A 7B-parameter model needs 112 GB; the largest GPUs hold 80-141 GB.
 - **Time.** A transformer's forward and backward pass cost about **6 FLOPs per parameter per token** (2 for the
   forward multiply-add, 4 for the backward), so training on D tokens costs ``6 N D`` FLOPs.  A GPU delivers
-  its peak only in part: the *model FLOPs utilisation* (MFU) of good large-scale runs is 35-55 %.
+  its peak only in part: the *model FLOPs utilisation* (MFU) of good large-scale runs is 38-52 %
+  (:data:`MFU_OF_LARGE_RUNS`, with its sources).
 
 So ``time = 6 N D / (GPUs x peak x MFU)`` — and the rest of the course is about keeping MFU high while the
 GPUs count grows.  (``labkit.costmodel.memory`` has the full memory model, ``labkit.costmodel.step`` the
@@ -23,6 +24,11 @@ from labkit.costmodel import hardware
 SECONDS_PER_DAY = 86_400.0
 BYTES_PER_PARAMETER_MIXED_ADAM = 16  # 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master, m, v)
 
+
+# The MFU that published large runs report, lowest and highest, the range every lesson quotes: Llama 3 405B's
+# pre-training at 38-43 % of the H100's bf16 peak (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4) and
+# Megatron-LM's 1T-parameter GPT at 52 % of the A100's (Narayanan et al. 2021, Table 1: 163 of 312 TFLOP/s).
+MFU_OF_LARGE_RUNS = (0.38, 0.52)
 
 # The GPUs' presets live in labkit.costmodel.hardware (one source for every lesson); they are re-exported here.
 GPU, GPUS = hardware.GPU, hardware.GPUS
