@@ -41,9 +41,12 @@ Used on every rank of the tensor-parallel ``group`` (``None``: all ranks), the M
 Complete the classes and functions, then run the grading cell of ``notebooks/06_tensor_parallel.ipynb`` (or
 ``labkit grade``).  The checks run them on 2, 3 and 4 gloo ranks (and a group of one), on inputs ``[n, in]``
 and ``[batch, seq, in]``, and compare the output and the gradients of the input, the weights and the biases
-with one process running the dense layers, in float64.  While they run, labkit's own tensor parallelism
-(``labkit.parallel``), DTensor's (``torch.distributed.tensor``) and the differentiable collectives of
-``torch.distributed.nn`` are switched off: build ``f`` and ``g`` from ``dist.all_reduce``.
+with one process running the dense layers, in float64.  They probe ``f`` and ``g`` alone too, with other
+numbers on every rank, with gradients that are shared with the rest of the graph, transposed or broadcast,
+and they watch which collectives each operator runs and what it changes in place: f's backward and g's
+forward run one all-reduce each, and a layer sends nothing besides its f and g.  While they run, labkit's
+own tensor parallelism (``labkit.parallel``), DTensor's (``torch.distributed.tensor``) and the differentiable
+collectives of ``torch.distributed.nn`` are switched off: build ``f`` and ``g`` from ``dist.all_reduce``.
 """
 
 import torch
@@ -56,13 +59,16 @@ class CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        # TODO: remember the group for backward (ctx.group = group); return x unchanged (x.view_as(x)).
+        # TODO: every rank already holds the whole x, so nothing needs to be sent on the way in.  Backward will
+        #       need something only forward is told: keep it on ctx.
         raise NotImplementedError("CopyToTensorParallel.forward")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # TODO: all-reduce (sum) a copy of grad over ctx.group (dist.all_reduce works in place, and grad may be
-        #       shared); return it, and None for the group argument.
+        # TODO: each rank's grad comes from its own slice of the layer that follows, so the gradient of x is
+        #       the sum over the group's ranks.  Mind the primitive's manners: it works in place, and grad may
+        #       be shared with the rest of the graph or be non-contiguous (NCCL refuses those).  Return one
+        #       gradient per input of forward (the group gets none).
         raise NotImplementedError("CopyToTensorParallel.backward")
 
 
@@ -71,12 +77,14 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        # TODO: clone x (the caller's tensor must not change), all-reduce the copy over group, return it.
+        # TODO: x is this rank's partial sum of the output; every rank needs the total.  The caller's x must
+        #       come out of this unchanged.
         raise NotImplementedError("ReduceFromTensorParallel.forward")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # TODO: the gradient of a sum is the same for every term: return grad as it is, and None.
+        # TODO: if y = x_0 + x_1 + ..., what is dy/dx_r, and does computing it need any other rank?  (An
+        #       average over the group looks right only when every rank holds the same gradient.)
         raise NotImplementedError("ReduceFromTensorParallel.backward")
 
 
@@ -86,9 +94,9 @@ def split_column(weight: torch.Tensor, bias: torch.Tensor | None, rank: int,
     ``out/world_size`` rows of ``weight`` (``[out, in]``), block ``rank``, and the same slice of ``bias``
     (``None`` stays ``None``).  The shards are copies, so that the whole weight can be freed.  Raises
     ``ValueError`` when ``world_size`` does not divide ``out``."""
-    # TODO: out = weight.shape[0]; raise ValueError(f"... {out} ... {world_size} ...") if world_size does not
-    #       divide it; block = out // world_size; rows rank*block .. (rank+1)*block of weight and of bias,
-    #       each .clone()d (a slice is a view: it would keep the whole weight in memory).
+    # TODO: which dimension of weight [out, in] holds the output features?  Keep block `rank` of world_size
+    #       equal contiguous blocks of it, and the same entries of bias.  Refuse a size that world_size does not
+    #       divide (a ValueError naming both numbers).  A slice is a view: what would it keep in memory?
     raise NotImplementedError("split_column")
 
 
@@ -96,7 +104,7 @@ def split_row(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s shard of an ``nn.Linear`` weight (``[out, in]``) for a row-parallel layer: the contiguous
     block of ``in/world_size`` columns, block ``rank``, as a copy.  Raises ``ValueError`` when ``world_size``
     does not divide ``in``."""
-    # TODO: as split_column, along dimension 1 (weight[:, start:stop].clone()); the bias is not split.
+    # TODO: split_column's rule, along the input features.  Why does a row-parallel layer not split its bias?
     raise NotImplementedError("split_row")
 
 
@@ -105,7 +113,8 @@ def column_parallel_forward(x: torch.Tensor, weight_shard: torch.Tensor, bias_sh
     """A column-parallel linear layer on this rank: ``x`` (``[..., in]``, the same on every rank of ``group``)
     enters the region through ``f``, then the local product gives this rank's slice of the output features
     (``[..., out/t]``)."""
-    # TODO: F.linear(CopyToTensorParallel.apply(x, group), weight_shard, bias_shard).
+    # TODO: forward, the local product needs no other rank.  Backward, though, the gradient of x that this
+    #       rank's slice produces is partial: which of your two operators makes autograd add them up?
     raise NotImplementedError("column_parallel_forward")
 
 
@@ -114,6 +123,6 @@ def row_parallel_forward(x_shard: torch.Tensor, weight_shard: torch.Tensor, bias
     """A row-parallel linear layer on this rank: the local product of this rank's input features
     (``[..., in/t]``) is a partial sum of the output, ``g`` adds the partial sums up, and the whole ``bias``
     (or ``None``) is added once, after the sum.  The result (``[..., out]``) is the same on every rank."""
-    # TODO: the local product without the bias (F.linear(x_shard, weight_shard)), then
-    #       ReduceFromTensorParallel.apply(..., group), then + bias unless bias is None.
+    # TODO: the local product is a partial sum of the output; which operator adds the partial sums?  The bias
+    #       is whole on every rank: where must it be added so that it counts once, not t times?
     raise NotImplementedError("row_parallel_forward")

@@ -15,8 +15,9 @@ activations from its forward until its backward, and under GPipe all ``m`` of th
 
 **1F1B** (PipeDream-Flush, Narayanan et al. 2021) starts each backward as early as it can:
 
-1. *warm-up*: rank ``r`` runs ``min(p - 1 - r, m)`` forwards, the micro-batches in flight downstream of it
-   while micro-batch 0 reaches the last stage (which needs none: its backward can follow its forward);
+1. *warm-up*: before its first backward, rank ``r`` runs the forwards that keep the stages downstream of it
+   busy while micro-batch 0 travels to the last stage and its gradient comes back (the last stage needs none:
+   its backward can follow its forward), and never more than there are micro-batches;
 2. *steady state*: one forward, then one backward, the oldest micro-batch first, until every forward ran;
 3. *cool-down*: the remaining backwards.
 
@@ -26,9 +27,9 @@ instead of ``m``: the memory of ``p`` micro-batches on the first stage, however 
 what lets ``m`` grow until the bubble is small.
 
 Complete the function, then run the grading cell of ``notebooks/07_pipeline_parallel.ipynb`` (or ``labkit
-grade``).  The checks build the orders of every rank for ``p`` of 1, 2, 3, 4 and 8 and many ``m`` (fewer
-micro-batches than stages, as many, not a multiple of ``p``, many more), check that each forward and backward
-runs once and that the ranks can run their orders together, then time them (forward 1, backward 2) and hold
+grade``).  The checks build the orders of every rank for ``p`` from 1 to 16, and two drawn at random up to
+24, and many ``m`` (fewer micro-batches than stages, as many, not a multiple of ``p``, many more), check that
+each forward and backward runs once, in micro-batch order, and that the ranks can run their orders together, then time them (forward 1, backward 2) and hold
 the step time and the activations each rank keeps at once to 1F1B's.  While they run, labkit's own schedules
 (``labkit.parallel``) and the 1F1B schedules of ``torch.distributed.pipelining`` are switched off.
 """
@@ -38,7 +39,8 @@ def one_f_one_b_order(rank: int, p: int, m: int) -> list[tuple[str, int]]:
     """The passes pipeline rank ``rank`` of ``p`` (stage ``rank``) runs over ``m`` micro-batches under 1F1B,
     in order: ``("F", k)`` the forward of micro-batch ``k``, ``("B", k)`` its backward.  Each of the ``m``
     micro-batches has one of each.  Any ``p >= 1`` and ``m >= 1``, ``m`` smaller than ``p`` included."""
-    # TODO: warmup = min(p - 1 - rank, m); the warm-up forwards ("F", 0) .. ("F", warmup - 1); then, for each
-    #       forward still to run, that forward and the oldest backward not yet run; then the backwards left.
-    #       Check rank 1 of p=4, m=8 against the docstring's example, and the last rank (no warm-up at all).
+    # TODO: the three phases of the module docstring.  How many warm-up forwards keep the stages after this
+    #       rank busy until micro-batch 0's gradient can come back?  Count those stages, and mind an m smaller
+    #       than that count.  In the steady state, which backward comes next each time?  Try rank 1 of p=4, m=8
+    #       against the docstring's example, then the last rank, then m < p, before the grading cell.
     raise NotImplementedError("one_f_one_b_order")

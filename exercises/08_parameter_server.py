@@ -1,4 +1,4 @@
-"""Exercise 08 — A parameter server: the rule for applying gradients under bounded staleness.
+"""Exercise 08 — A parameter server: the rule for applying gradients under a bounded delay.
 
 A *parameter server* (rank 0) holds the weights and counts the updates it has applied: the *version*.  Each of
 ``N`` workers pulls the weights at some version, computes a gradient on its own batch, and sends it back with the
@@ -11,18 +11,21 @@ at minus the version it was computed on: how many updates landed on the weights 
   staleness, but every update waits for the slowest worker;
 - *asynchronous* (Downpour SGD, Dean et al. 2012): apply each gradient on arrival and release its worker at once.
   Nobody waits, but ``N`` equal workers average about ``N - 1`` staleness, and a straggler's is unbounded;
-- *bounded staleness* (Stale Synchronous Parallel, Ho et al. 2013): asynchronous, except that no gradient is ever
-  staler than a bound ``s``.  ``s = 0`` is synchronous; a bound larger than any run is asynchronous.
+- *bounded delay* ``tau`` (the rule of this exercise; Li et al. 2014 bound the delay of a computation, here it is
+  counted in updates): asynchronous, except that no gradient is ever applied more than ``tau`` updates stale.
+  ``tau = 0`` is synchronous; a bound larger than any run is asynchronous.
 
-**The rule.**  Hold each gradient as it arrives; then apply *everything held*, as one update, unless that would
-make a gradient still being computed staler than ``s``: applying makes the version ``version + 1``, and a worker
-computing on version ``v`` will arrive at least ``version + 1 - v`` updates stale.  So apply now if no worker is
-computing, or if ``version + 1 - (the oldest version a worker computes on) <= s``.  Otherwise the held workers
-wait; they are applied, and released, at the first arrival that lets them.  There always is one: while anything
-is held there is no update and no release, so the workers still computing arrive one by one, and when the last
-has arrived nobody computes.
+Do not confuse it with Ho et al. (2013)'s *Stale Synchronous Parallel* (labkit's ``Gate("ssp", ...)``, lesson 08):
+SSP bounds how many *gradients* a worker may run ahead of the slowest (its clock), applies every gradient on
+arrival and holds only the worker; a gradient's staleness is not bounded there.  Here the bound is on staleness.
 
-Three workers, ``s = 1``, worker 0 slow, all computing on version 0.  Worker 1 arrives: applying makes version 1,
+**The rule.**  Hold each gradient as it arrives.  Apply *everything held*, as one update, unless that would
+make a gradient still being computed staler than ``tau``; otherwise hold on: the held gradients are applied, and
+their workers released, at the first arrival that allows it.  A worker released after version ``v`` computes on
+``v``.  (Why is there always such an arrival?  While anything is held there is no update and no release, so the
+workers still computing arrive one by one.)
+
+Three workers, ``tau = 1``, worker 0 slow, all computing on version 0.  Worker 1 arrives: applying makes version 1,
 and worker 0's gradient would be 1 stale, allowed: apply ``[1]``, release ``[1]`` (it computes on version 1).
 Worker 2 arrives (on version 0): applying would make version 2, and worker 0's would be 2 stale: hold.  Worker 1
 arrives (on version 1): still 2: hold.  Worker 0 arrives: nobody computes, so apply and release ``[2, 1, 0]``:
@@ -30,7 +33,7 @@ version 2; the gradients of workers 2 and 0 are 1 stale, worker 1's 0.
 
 Complete ``arrive``, then run the grading cell of ``notebooks/08_async_parameter_server.ipynb`` (or ``labkit grade``).
 The checks play your rule through many random arrival orders (1 to 6 workers, bounds 0 to 4): every gradient is
-applied once, none staler than ``s``, and some worker is always computing (a rule under which every worker waits
+applied once, none staler than ``tau``, and some worker is always computing (a rule under which every worker waits
 would stop the training for ever); then they compare each of its decisions with the rule above, bound 0 and a
 huge bound included; then labkit's parameter server (``run_parameter_server``) trains a small model with your
 rule on launched ranks, one worker slow.  While they run, labkit's own rule (``labkit.parallel``) is switched off.
@@ -39,12 +42,13 @@ rule on launched ranks, one worker slow.  While they run, labkit's own rule (``l
 from __future__ import annotations
 
 
-class BoundedStaleness:
-    """The server's rule under bounded staleness ``bound`` (Ho et al. 2013), over ``workers`` workers numbered
-    ``0 .. workers - 1``.  Pure bookkeeping: the server calls :meth:`arrive` and sends messages accordingly."""
+class BoundedDelay:
+    """The server's rule under a bounded delay ``tau`` (no gradient applied more than ``tau`` updates stale), over
+    ``workers`` workers numbered ``0 .. workers - 1``.  Pure bookkeeping: the server calls :meth:`arrive` and sends
+    messages accordingly."""
 
-    def __init__(self, workers: int, bound: int):
-        self.workers, self.bound = workers, bound
+    def __init__(self, workers: int, tau: int):
+        self.workers, self.tau = workers, tau
         self.version = 0  # updates applied so far
         self.computing: dict[int, int] = dict.fromkeys(range(workers), 0)  # worker -> the version it computes on
         self.held: list[int] = []  # workers whose gradients arrived and are not applied yet, in arrival order
@@ -53,9 +57,13 @@ class BoundedStaleness:
         """``worker``'s gradient, computed on version ``pulled``, arrived.  Return ``(apply, release)``: the
         workers whose gradients are applied now, as one update (then ``version`` is one more), and the workers
         sent the new weights (who then compute on the new version).  ``([], [])`` holds the gradient."""
-        # TODO: the worker no longer computes (self.computing), its gradient is held (self.held).  If some worker
-        #       still computes and self.version + 1 - (the oldest version in self.computing) is more than
-        #       self.bound, hold: return [], [].  Otherwise apply everything held: empty self.held, count the
-        #       update in self.version, and every applied worker computes on the new version; return the applied
-        #       workers twice (applied, and released).  Play the docstring's example by hand to check.
-        raise NotImplementedError("BoundedStaleness.arrive")
+        # TODO: the rule, in a dozen lines. Hints:
+        #  - the arriving worker no longer computes, and its gradient is now held: keep self.computing and
+        #    self.held up to date before deciding anything;
+        #  - applying now makes version self.version + 1. Of the workers still computing, whose gradient would
+        #    then be the stalest, and how stale at the least? Compare that with self.tau (equal is allowed);
+        #  - nobody computing means nobody can become too stale;
+        #  - an update applies everything held at once; afterwards nothing is held, the version has moved on,
+        #    and every worker you release computes on the new version.
+        #  Play the docstring's example by hand before you run the checks.
+        raise NotImplementedError("BoundedDelay.arrive")

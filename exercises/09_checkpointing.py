@@ -16,19 +16,31 @@ That is more than the weights:
   Rank 1's ``torch.get_rng_state()`` and ``generator.get_state()`` (a few kB each) exist only on rank 1, so
   they are gathered to rank 0 (``dist.all_gather_object``) and saved with the rest, one pair per rank; on
   resume each rank takes back *its own* pair;
-- the **step**, so the loop (and a learning-rate schedule) carries on where it stopped.
+- the **learning-rate schedule** and the **loss scaler**, when the run has them: a scheduler's position
+  (``last_epoch``) sets every later learning rate, and a ``GradScaler``'s scale is what the run's overflows and
+  growth (one doubling per 2000 good steps, by default) have found; restarted, the schedule replays its warm-up
+  and the scaler starts again from its initial scale.  Both have a ``state_dict()``, saved when given and
+  restored on load;
+- the **step**, so the loop carries on where it stopped.
 
-Two details make the file trustworthy.  Rank 0 writes it *atomically*: ``torch.save`` to ``path + ".tmp"``, then
-``os.replace`` onto ``path`` — a rename, so a crash half-way through a write leaves the previous checkpoint
-whole, never a truncated one.  And no rank returns before the file exists: a ``dist.barrier()`` at the end of
-the save, or a rank that loads (or deletes an older checkpoint) straight after would find nothing there.  Load
-with ``torch.load(path, weights_only=True)``: a file of tensors, numbers, strings, lists and dicts, which runs
-no pickled code — so keep the checkpoint to those.
+Two details make the file trustworthy.  Rank 0 writes it *atomically*: the bytes go to a temporary file beside
+``path`` (``path + ".tmp"``), which is flushed and ``os.fsync``-ed, then ``os.replace``-d onto ``path``, and
+the folder is fsynced after the rename.  A rename is atomic, so a crash half-way through a write leaves the
+previous checkpoint whole, never a truncated one; but the kernel may write a rename to disk before the data it
+names, so without the first fsync a power cut can leave an empty file under the final name, and without the
+second the rename itself may be lost.  And no rank returns before the file exists: a ``dist.barrier()`` at the
+end of the save, or a rank that loads (or deletes an older checkpoint) straight after would find nothing
+there.  Load with ``torch.load(path, weights_only=True)``: a file of tensors, numbers, strings, lists and
+dicts, which runs no pickled code — so keep the checkpoint to those.
 
 The checks train a small TinyGPT with dropout under a DistributedDataParallel wrapper (labkit's; PyTorch's
 takes the same calls) on 2 and 3 gloo ranks, with AdamW over two parameter groups: 6 steps straight, and 3
 steps, your save, then new processes with freshly built objects, your load and 3 more steps — which must give
-the straight run's losses and weights exactly.  They also watch which rank writes what during the save.  ``labkit.checkpoint`` (labkit's own) and
+the straight run's losses and weights exactly; that run also has a learning-rate schedule and a GradScaler,
+whose states must come back too (the scaler skips a step on an overflow, so the optimizer has counted one step
+fewer than the run), and a file saved without them must refuse them on load.  They also watch, on every rank,
+which files are written, renamed and fsynced during the save, and in what order, with an older checkpoint
+already at ``path``, and once with a bare file name for ``path``.  ``labkit.checkpoint`` (labkit's own) and
 ``torch.distributed.checkpoint`` are switched off while they run: the answer must be yours.
 
 Complete the two functions, then run the grading cell of ``notebooks/09_pitfalls_and_checkpointing.ipynb`` (or
@@ -36,31 +48,36 @@ Complete the two functions, then run the grading cell of ``notebooks/09_pitfalls
 """
 
 import os  # noqa: F401  (you will need it)
+from typing import Any
 
 import torch
 import torch.distributed as dist  # noqa: F401  (you will need it)
 
 
 def save_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    generator: torch.Generator, step: int) -> None:
+                    generator: torch.Generator, step: int, scheduler: Any = None, scaler: Any = None) -> None:
     """Called on every rank of a data-parallel run (the model replicas are identical) after ``step`` steps: write
-    one file at ``path`` holding the model's and the optimizer's state, every rank's torch RNG state and sampler
-    ``generator`` state, and ``step``.  Only rank 0 writes, atomically; return on no rank before the file is
-    there."""
-    # TODO: gather {"rng": torch.get_rng_state(), "sampler": generator.get_state()} from every rank
-    #       (dist.all_gather_object into a list of world_size Nones).
-    # TODO: on rank 0 only: torch.save a dict of model.state_dict(), optimizer.state_dict(), the gathered list
-    #       and step to path + ".tmp", then os.replace it onto path.
-    # TODO: dist.barrier() on every rank.
+    one file at ``path`` holding the model's and the optimizer's state, the ``scheduler``'s and the ``scaler``'s
+    when given, every rank's torch RNG state and sampler ``generator`` state, and ``step``.  Only rank 0 writes,
+    atomically (a temporary file beside ``path``, fsynced, renamed onto it, the folder fsynced); return on no
+    rank before the file is there."""
+    # TODO: which parts of the state exist on one rank only? Collect them from every rank first (a collective
+    #       that gathers Python objects), so that rank 0 can save them all.
+    # TODO: on rank 0 only, one dict of everything (None for a scheduler or scaler not given), written so that
+    #       path is never half a file: torch.save accepts an open file object; os.fsync needs a file descriptor
+    #       (file.fileno()), and a folder has one too (os.open(folder, os.O_RDONLY)).  Which fsync must come
+    #       before the rename, and which after?
+    # TODO: no rank returns before the file is complete.
     raise NotImplementedError("save_checkpoint")
 
 
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    generator: torch.Generator) -> int:
+                    generator: torch.Generator, scheduler: Any = None, scaler: Any = None) -> int:
     """Called on every rank of a new run (new processes, the same number of ranks, freshly built objects):
-    restore the model, the optimizer, this rank's own torch RNG state and sampler ``generator`` state from the
-    file ``save_checkpoint`` wrote; return the step it was saved at."""
-    # TODO: torch.load(path, weights_only=True); model.load_state_dict, optimizer.load_state_dict;
-    #       torch.set_rng_state and generator.set_state from the entry of this rank (dist.get_rank()).
+    restore the model, the optimizer, the ``scheduler`` and the ``scaler`` when given, this rank's own torch RNG
+    state and sampler ``generator`` state from the file ``save_checkpoint`` wrote; return the step it was saved
+    at.  Raises ``ValueError`` when a scheduler or scaler is given and the file holds none."""
+    # TODO: load with weights_only=True; every object above has a load_state_dict or a set_... matching what
+    #       was saved; this rank takes back its own entry of what was gathered (dist.get_rank()).
     # TODO: return the saved step.
     raise NotImplementedError("load_checkpoint")

@@ -1,40 +1,60 @@
-"""Exercise 10 — 3D parallelism: the ranks of every tensor-, data- and pipeline-parallel group.
+"""Exercise 10 — 3D parallelism: lay the ranks out in any order, and see which groups leave the node.
 
 3D parallelism runs ``tp``-way tensor parallelism inside ``pp`` pipeline stages, and ``dp`` replicas of that
-whole pipeline: ``world_size = dp * tp * pp`` ranks.  Each rank has three coordinates ``(pp, dp, tp)``, and the
-ranks that differ in only one coordinate form that dimension's *group*: a TP group holds the pieces of the same
-layers (and all-reduces activations in every layer), a PP group the stages of one replica (activations pass
-point to point from stage to stage), a DP group the copies of the same piece (they average gradients).
+whole pipeline: ``dp * tp * pp`` ranks, each with one coordinate per dimension.  The ranks that differ from a
+rank in one coordinate only form its *group* of that dimension: TP all-reduces activations in every layer, PP
+passes activations and their gradients from stage to stage, DP reduces the gradients once a step.
 
-Which global rank sits where is a choice with a cost.  ``torchrun`` numbers the ranks node by node: with 8 GPUs
-a node, ranks 0-7 share one node's NVLink and rank 8 is on the next node, behind a network link several times
-slower.  TP talks most (four all-reduces of activations per layer, forward and backward, on the critical path),
-so its groups must be neighbouring ranks; DP all-reduces the gradients once a step; PP sends the least.
-**Megatron-LM's order** (also labkit's :class:`~labkit.mesh.Mesh` and torchtitan's) therefore makes tp vary
-fastest and pp slowest::
+Which global rank gets which coordinates is a choice, the **order**: the dimensions named innermost (fastest
+varying) first, joined by ``-``, as Megatron-Core's ``initialize_model_parallel(order="tp-cp-ep-dp-pp")`` names
+them.  In ``"tp-dp-pp"`` (labkit's ``Mesh``, the lesson's layout) the coordinates are the digits of the rank
+written in a mixed radix, tp's digit lowest::
 
-    rank = (pp * dp_size + dp) * tp_size + tp
+    rank = tp + tp_size * (dp + dp_size * pp)
 
-On 8 ranks with ``dp = tp = pp = 2``: TP groups ``[0, 1] [2, 3] [4, 5] [6, 7]``, DP groups ``[0, 2] [1, 3]
-[4, 6] [5, 7]``, PP groups ``[0, 4] [1, 5] [2, 6] [3, 7]``.
+and in ``"dp-tp-pp"`` dp's digit is the lowest.  ``torchrun`` puts ``gpus_per_node`` consecutive ranks on each
+node (rank ``r`` on node ``r // gpus_per_node``), so the order decides which groups stay on a node's NVLink and
+which wait on the network between nodes.  The lesson printed Megatron's order; this exercise asks what any
+other order does.
 
-Complete ``megatron_groups``, then run the grading cell of ``notebooks/10_3d_parallelism.ipynb`` (or
-``labkit grade``).  The checks ask for the groups of many layouts (1 to 64 ranks, each dimension alone, degrees that
-differ, like ``dp = 3, tp = 4, pp = 2``): that they form a grid at all (every rank once in a group of each
-dimension, of the right size, two ranks sharing at most one group), that every TP group stays inside one node
-of 8 (and of 4) GPUs, and that the groups are Megatron's.  While they run, labkit's ``Mesh`` and its layout
-functions (``labkit.mesh``) and torch's ``DeviceMesh`` are switched off.
+Complete ``coordinates``, ``groups`` and ``nodes_spanned``, then run the try-it cell and the grading cell of
+``notebooks/10_3d_parallelism.ipynb`` (or ``labkit grade``).  The checks try several orders and sizes (1 to 64
+ranks, degrees that differ, a degree of 3 on nodes of 4, a fourth dimension ``cp``), two cases drawn at random
+each time (up to five dimensions), and node sizes that do not divide the groups; coordinates are ints, a group
+any list, tuple or set of ints, and the ``sizes`` you are given stay as they were.  While they run, labkit's own layout (``labkit.mesh``, ``labkit.viz.mesh_plots.group_links``)
+and torch's ``DeviceMesh`` are switched off.
 """
 
 from __future__ import annotations
 
+import math  # noqa: F401 (math.prod multiplies the sizes)
 
-def megatron_groups(world_size: int, dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
-    """The groups of ``dp x tp x pp`` parallelism on ``world_size = dp * tp * pp`` ranks, laid out as Megatron
-    lays them out (tp fastest, then dp, then pp): ``{"tp": groups, "dp": groups, "pp": groups}``, each a list
-    of the dimension's groups (``world_size // tp`` TP groups of ``tp`` ranks, and so on), each group a list of
-    global ranks (ints).  The order of the groups and of the ranks inside a group does not matter."""
-    # TODO: rank = (p * dp + d) * tp + t for every coordinate (p, d, t); a TP group is the ranks with the same
-    #       (p, d), t from 0 to tp - 1; a DP group the same (p, t); a PP group the same (d, t).  Check your groups
-    #       for world_size=8, dp=tp=pp=2 against the docstring's, then for dp=3, tp=4, pp=2 (24 ranks).
-    raise NotImplementedError("megatron_groups")
+
+def coordinates(rank: int, sizes: dict[str, int], order: str) -> dict[str, int]:
+    """The coordinates of global rank ``rank`` (``0 <= rank < `` the product of ``sizes``): ``{dim: index}`` for
+    every dimension of ``sizes`` (e.g. ``{"tp": 8, "dp": 2, "pp": 4}``), when the ranks are laid out in
+    ``order`` (its dimensions, innermost first, joined by ``-``: ``"tp-dp-pp"``; it names every dimension of
+    ``sizes`` once, and may have more than three)."""
+    # TODO: read the rank as a number in a mixed radix, the innermost dimension's digit lowest: that digit is
+    #       what is left over after dividing by that dimension's size, and the quotient holds the other digits.
+    #       Check: in "tp-dp-pp" with {"tp": 2, "dp": 2, "pp": 2}, rank 5 is pp 1, dp 0, tp 1 (section 1's table).
+    raise NotImplementedError("coordinates")
+
+
+def groups(sizes: dict[str, int], order: str) -> dict[str, list[list[int]]]:
+    """Every group of every dimension: ``{dim: [group, ...]}``, a group being the global ranks (ints) whose
+    coordinates differ in ``dim`` only; ``world_size // sizes[dim]`` groups of ``sizes[dim]`` ranks each.  The
+    order of the groups, and of the ranks inside one, does not matter."""
+    # TODO: two ranks share a group of ``dim`` when all their *other* coordinates are equal: collect the ranks
+    #       under those other coordinates (``coordinates`` gives them).  In "tp-dp-pp" the TP groups are runs of
+    #       neighbouring ranks; in another order they are not.
+    raise NotImplementedError("groups")
+
+
+def nodes_spanned(sizes: dict[str, int], order: str, gpus_per_node: int) -> dict[str, int]:
+    """For each dimension, the most nodes that one of its groups spans, with ``gpus_per_node`` consecutive ranks
+    to a node: 1 when every group of that dimension stays inside one node (its traffic on NVLink), more when
+    some group waits on the network between nodes."""
+    # TODO: the node of a rank is the one torchrun puts it on; count the distinct nodes of each group.  A group
+    #       of 3 ranks can span two nodes of 4, and a group of 2 ranks a stride apart can span two nodes of 8.
+    raise NotImplementedError("nodes_spanned")

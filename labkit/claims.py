@@ -109,7 +109,7 @@ def _format(value: Any, spec: str, unit: str, scale: float) -> str:
         text = f"{value * scale:{spec}}"
     else:
         text = str(value)
-    return f"{text}{'' if unit in ('', '%') else ' '}{unit}"
+    return f"{text}{'' if unit in ('', '%', 'x') else ' '}{unit}"
 
 
 def _record(kind: str, statement: str, holds: bool, **fields: Any) -> None:
@@ -165,7 +165,8 @@ def close(statement: str, value: float, expected: float = 0.0, *, tolerance: flo
 
     For parity (a split model against one process: sums added in another order) and for models evaluated in
     floats.  The difference varies with the CPU's kernels, so it prints as measured (``~``); the tolerance is
-    part of the claim and prints exactly.  Returns the difference.
+    part of the claim and prints exactly (the values themselves are the notebook's to print).  Returns the
+    difference.
     """
     difference = abs(value - expected)
     scale = abs(expected) if relative else 1.0
@@ -174,8 +175,7 @@ def close(statement: str, value: float, expected: float = 0.0, *, tolerance: flo
     _record("close", statement, ok, value=value, expected=expected, tolerance=tolerance, relative=relative)
     if not ok:
         raise ClaimFailed(f"{statement}: {value!r} is {difference:.3g} from {expected!r}, beyond {bound}")
-    shown = (f"largest difference {approx(difference, spec)}" if expected == 0
-             else f"{approx(value, spec)} against {expected:{spec}}")
+    shown = f"differs by {approx(difference, spec)}"
     _say(True, statement, f"{shown} (within {bound})")
     return difference
 

@@ -9,7 +9,8 @@
 - ``labkit bench [--quick] [NAME ...]`` — run the benchmarks in ``benchmarks/`` (each compares a labkit
   technique with PyTorch's built-in, measured in the same run).
 - ``labkit plan --model NAME --gpu NAME --gpus N --global-batch B [--top K] [--efficiency E]`` — the fastest
-  3D configurations that fit (``labkit.costmodel.planner``), as a table with each term of the predicted step.
+  3D configurations that fit (``labkit.costmodel.planner``), as a table with each term of the predicted step
+  (``E`` defaults to the efficiency lesson 11 fits to published runs, ``labkit.costmodel.validation``).
 """
 
 from __future__ import annotations
@@ -149,21 +150,25 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def plan(args: argparse.Namespace) -> int:
-    """Print the planner's top configurations for a published model shape on a cluster of one GPU kind."""
-    from labkit.costmodel import compute, memory, planner
+    """Print the planner's top configurations for a published model shape on a cluster of one GPU kind, each
+    term of the predicted step apart (the DP reduction and ZeRO's gathers: what is exposed, and the slowdown of
+    the compute that hid the rest)."""
+    from labkit.costmodel import compute, memory, planner, validation
 
+    efficiency = validation.EFFICIENCY if args.efficiency is None else args.efficiency
     try:
         shape = memory.TransformerShape.preset(args.model)
         if args.gpu not in compute.GPUS:
             raise ValueError(f"unknown GPU {args.gpu!r}; choose one of {sorted(compute.GPUS)}")
-        cluster = planner.Cluster(compute.GPUS[args.gpu], args.gpus, args.efficiency)
+        cluster = planner.Cluster(compute.GPUS[args.gpu], args.gpus, efficiency)
         result = planner.plan(shape, cluster, args.global_batch, top=args.top)
     except ValueError as error:
         print(f"labkit plan: {error}", file=sys.stderr)
         return 2
     print(f"{args.model} ({memory.num_parameters(shape) / 1e9:.1f}B parameters) on {args.gpus} x {args.gpu}, "
-          f"global batch {args.global_batch} x {shape.seq_len} tokens, {args.efficiency:.0%} of peak on the "
-          f"matrices: {result.reason()}")
+          f"global batch {args.global_batch} x {shape.seq_len} tokens, {efficiency:.1%} of peak on the "
+          f"matrices, {cluster.usable_bytes / 1e9:.0f} of {cluster.gpu.memory_bytes / 1e9:.0f} GB planned: "
+          f"{result.reason()}")
     if not result.candidates:
         return 1
     parts = list(result.candidates[0].step.parts())
@@ -197,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--gpus", type=int, default=1024)
     plan_parser.add_argument("--global-batch", type=int, default=1536, help="sequences per step")
     plan_parser.add_argument("--top", type=int, default=10)
-    plan_parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the matrices reach")
+    plan_parser.add_argument("--efficiency", type=float, default=None,
+                             help="fraction of peak the matrices reach (default: lesson 11's fitted one)")
     plan_parser.set_defaults(run=plan)
     args = parser.parse_args(argv)
     return args.run(args)

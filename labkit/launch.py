@@ -29,8 +29,8 @@ How it works, and what it guarantees:
   the other ranks are stopped.  Ranks that do not finish within ``timeout`` seconds (typically: stuck in a
   collective that not every rank called) become :class:`CollectiveTimeout`, naming the stuck ranks and the
   line each was stuck on.  Either way no process of the launch is left alive.  With ``check_collectives=True``
-  each rank records the collectives it calls (:mod:`labkit.collective_log`, 10-20 µs a call: off by default, so
-  that timings stay comparable with PyTorch's); when the ranks disagree (a collective only some call, another
+  each rank records the collectives it calls (:mod:`labkit.collective_log`, tens to hundreds of µs a call: off by
+  default, so that timings stay comparable with PyTorch's); when the ranks disagree (a collective only some call, another
   order, other shapes), the error opens with the first disagreement.
 - **torchrun.** When this process is already one rank of a job (``RANK``/``WORLD_SIZE`` set, or a default
   process group exists), ``launch`` runs ``fn`` in place and all-gathers the results, so notebook code runs
@@ -117,7 +117,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 4, backend: str = "
         rank_output: ``"live"`` forwards each rank's printed lines as they come, prefixed ``[rank r]``;
             ``"grouped"`` prints them rank by rank when the run ends (reproducible order); ``"none"`` drops them
             and what C++ libraries write to the rank's stdout and stderr (gloo's messages when it aborts).
-        check_collectives: record each rank's collectives (10-20 µs a call) to name, in a failure's message,
+        check_collectives: record each rank's collectives (lesson 09 measures the cost) to name, in a failure's message,
             the first place where the ranks disagree (default off: timings stay comparable).  Not under torchrun.
 
     Raises:
@@ -174,8 +174,8 @@ def _run_in_place(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int
         chosen = dist.resolve_backend(backend, local_world)
         if chosen == "nccl":
             torch.cuda.set_device(dist.local_rank())
-        # One prefix per attempt: a restart (--max-restarts) reuses torchrun's store, where gloo could read a dead
-        # rank's address (pytorch/pytorch#135712); every rank of an attempt has the same restart count.
+        # One prefix per attempt: a restart reusing torchrun's store would read the last attempt's keys (#135712,
+        # NCCL's unique ID; newer torchrun starts a fresh store per retry, #135957).  Ranks share the count.
         store, rank, world_size = next(torch_dist.rendezvous("env://"))
         prefix = f"labkit/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         torch_dist.init_process_group(chosen, store=torch_dist.PrefixStore(prefix, store), rank=rank,

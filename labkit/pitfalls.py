@@ -10,13 +10,17 @@
 - **Floating-point addition is not associative.**  The same global batch, averaged over 2 ranks or over 4, is
   summed in another order and gives other bits: a run is reproducible on a fixed world size (and fixed kernels),
   not across them.  :func:`reduction_order_gaps` measures the difference for one vector of per-sample gradients.
-- **Every rank writing the same file.**  N ranks that save "the" checkpoint to one path, or print "the" log line,
-  write N times: the log is interleaved N-fold, and the file holds whichever rank's bytes landed last (or, with
-  unequal sizes and no atomic rename, a mixture).  :func:`write_from_every_rank` does it on purpose and reports
-  which ranks' bytes the file ends up holding.
-- **gloo is not NCCL.**  The same program meets different rules on each backend: NCCL moves only CUDA tensors
-  (one GPU per rank), gloo CPU tensors (and a few collectives of CUDA ones); each supports its own set of
-  collectives and reduction operations.  :func:`probe_collectives` tries each one on the group's backend, with
+- **Every rank saving "the" checkpoint.**  Every rank runs the same script, so a save meant once runs N times.
+  Where each rank's state is its own (its random states, its sampler's position, its shard), N ranks saving to
+  one path leave one rank's state at most: every save returns without an error, and all but one are lost (with
+  in-place writes, a reader may even meet a file whose parts come from different ranks).  A temporary file and a
+  rename keep the file whole, never torn, but still one rank's.  The fix is to gather the per-rank parts and
+  have one rank write them (or give every rank a file of its own, as a sharded checkpoint does).
+  :func:`save_from_every_rank` does each on purpose and reports whose state the file holds, and whose state
+  each rank reads back as its own.
+- **gloo is not NCCL.**  The same program meets different rules on each backend: NCCL moves CUDA tensors
+  (PyTorch's NCCL backend: one GPU per rank), gloo CPU tensors (and a few collectives of CUDA ones); each
+  supports its own set of collectives and reduction operations.  :func:`probe_collectives` tries each one on the group's backend, with
   tensors on ``labkit.dist.device()``, and reports what it refused.
 """
 
@@ -101,27 +105,55 @@ def reduction_order_gaps(per_sample: torch.Tensor, world_sizes: Sequence[int]) -
     return {world: (mean_over(world) - one).abs().max().item() for world in world_sizes}
 
 
-def write_from_every_rank(path: str | os.PathLike, group: Any = None, size: int = 1 << 20,
-                          atomic: bool = False) -> dict[str, Any]:
-    """Collective, the mistake on purpose: every rank writes ``size`` bytes of its own rank number to ``path``
-    at the same moment (``atomic``: each to a temporary file, then renamed over ``path``).  Returns, on every
-    rank, which ranks' bytes the file holds (``{"ranks": {rank: bytes}, "size": bytes}``)."""
+SAVES = ("in place", "through a rename", "gathered to rank 0")
+
+
+def save_from_every_rank(path: str | os.PathLike, how: str, group: Any = None, size: int = 1 << 18) -> dict[str, Any]:
+    """Collective: every rank of ``group`` saves its own state (``size`` bytes of its rank number, as a rank's
+    random states or shard would differ) as "the checkpoint" ``path``, at the same moment, ``how``:
+
+    - ``"in place"``: every rank ``torch.save`` s onto ``path`` (the mistake);
+    - ``"through a rename"``: every rank writes a temporary file of its own and renames it onto ``path``;
+    - ``"gathered to rank 0"``: the states travel to the first rank (``all_gather_object``), which alone writes
+      them all, through a rename (the fix).
+
+    Then every rank reads ``path`` back, and takes what it finds there as its own state (from the gathered file:
+    the entry at its rank).  Returns ``{"returned": ranks whose save returned, "holds": ranks whose whole state the
+    file holds, "torn": whether the file was unreadable or mixed ranks' parts}`` (the same on every rank) and
+    ``"read"``: the rank whose whole state this rank read back as its own (``None``: a torn file or entry)."""
+    if how not in SAVES:
+        raise ValueError(f"how must be one of {SAVES}, got {how!r}")
     path = Path(path)
-    rank = torch_dist.get_rank(group)
-    payload = bytes([rank % 256]) * size
+    rank, world = torch_dist.get_rank(group), torch_dist.get_world_size(group)
+    state = {"rank": rank, "payload": torch.full((size,), rank % 256, dtype=torch.uint8)}
     torch_dist.barrier(group=group)
-    if atomic:
+    if how == "in place":
+        torch.save(state, path)
+    elif how == "through a rename":
         temporary = path.with_name(f".{path.name}.{rank}.partial")
-        temporary.write_bytes(payload)
+        torch.save(state, temporary)
         os.replace(temporary, path)
     else:
-        with open(path, "r+b" if path.exists() else "wb") as handle:  # each rank writes over the same bytes
-            handle.write(payload)
-    torch_dist.barrier(group=group)
-    content = path.read_bytes()
-    counts = Counter(content)
+        everyone: list[Any] = [None] * world
+        torch_dist.all_gather_object(everyone, state, group=group)
+        if rank == 0:
+            temporary = path.with_name(f".{path.name}.partial")
+            torch.save(everyone, temporary)
+            os.replace(temporary, path)
+    returned: list[Any] = [None] * world
+    torch_dist.all_gather_object(returned, rank, group=group)  # every save has returned: nobody reads too early
+    try:
+        found = torch.load(path, weights_only=True)
+        states = found if isinstance(found, list) else [found]
+        whole = [bool((one["payload"] == one["rank"] % 256).all()) and one["payload"].numel() == size
+                 for one in states]
+        holds, torn = sorted(one["rank"] for one, ok in zip(states, whole, strict=True) if ok), not all(whole)
+        position = rank if isinstance(found, list) else 0  # a gathered file: each rank's entry at its rank
+        read = states[position]["rank"] if position < len(states) and whole[position] else None
+    except Exception:  # noqa: BLE001 — a torn file fails in whichever way its parts happen to fail
+        holds, torn, read = [], True, None
     torch_dist.barrier(group=group)  # nobody rewrites the file before every rank has read it
-    return {"ranks": {value: count for value, count in sorted(counts.items())}, "size": len(content)}
+    return {"returned": sorted(returned), "holds": holds, "torn": torn, "read": read}
 
 
 def probe_collectives(group: Any = None) -> dict[str, str | None]:

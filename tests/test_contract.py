@@ -30,6 +30,8 @@ WRAPPERS = {
     "zero1": lambda model: ZeroDataParallel(model, stage=1, bucket_cap_mb=0.002),
     "zero2": lambda model: ZeroDataParallel(model, stage=2, bucket_cap_mb=1000.0),  # one bucket: exact bytes below
     "fsdp": lambda model: FullyShardedDataParallel(model),
+    # FSDP2's habit: only the Linear and Embedding layers sharded, the norms replicated and all-reduced
+    "fsdp shard linear": lambda model: FullyShardedDataParallel(model, shard_modules=(torch.nn.Linear, torch.nn.Embedding)),
 }
 PER_RANK, MICRO_BATCHES, STEPS, ATOL = 2, 3, 3, 2e-5
 SGD = {"lr": 0.1, "momentum": 0.9}
@@ -78,9 +80,21 @@ def _expected_bytes(name: str, model: torch.nn.Module, wrapper, world_size: int)
         return {"all_reduce": psi, "broadcast": psi}
     if name == "zero2":
         return {"reduce_scatter": padded, "all_gather": padded}
-    block_names = {n for n, _ in model.named_parameters() if n.startswith("blocks.")}
-    in_blocks = 4 * sum(_padded(p.shape, world_size) for n, p in model.named_parameters() if n in block_names)
-    return {"all_gather": padded + in_blocks, "reduce_scatter": padded}  # blocks gathered again for backward
+    sharded = {f"{module_name}.{name}".lstrip(".") for module_name, module in model.named_modules()
+               if name_filter(module) for name, _ in module.named_parameters(recurse=False)}
+    if name == "fsdp":  # every parameter sharded
+        sharded = {n for n, _ in model.named_parameters()}
+    shards = {n: p for n, p in model.named_parameters() if n in sharded}
+    padded = 4 * sum(_padded(p.shape, world_size) for p in shards.values())
+    in_blocks = 4 * sum(_padded(p.shape, world_size) for n, p in shards.items() if n.startswith("blocks."))
+    expected = {"all_gather": padded + in_blocks, "reduce_scatter": padded}  # blocks gathered again for backward
+    replicated = 4 * sum(p.numel() for n, p in model.named_parameters() if n not in sharded)
+    return {**expected, "all_reduce": replicated} if replicated else expected
+
+
+def name_filter(module: torch.nn.Module) -> bool:
+    """FSDP2's habit (the "fsdp shard linear" wrapper): shard the Linear and Embedding layers only."""
+    return isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
 
 
 def _every_case() -> dict:

@@ -71,13 +71,15 @@ def _hardware(alpha=0.0, intra=1e30, inter=1e30, flops=1e14, gpus_per_node=8):
     return Hardware(flops, LinkModel(alpha, 1 / intra), LinkModel(alpha, 1 / inter), gpus_per_node)
 
 
-def test_with_free_links_a_step_is_compute_plus_the_closed_form_bubble():
+def test_with_free_links_a_balanced_step_is_compute_plus_the_closed_form_bubble():
+    """The balanced pipeline (the model's FLOPs spread evenly: exercise 11's) on free links: compute and the
+    closed-form bubble, ``(p - 1) / (m + p - 1)`` of the step."""
     from labkit.costmodel.step import Layout, predict_step
 
     shape = TransformerShape.preset("gpt2")
     for p, m in ((1, 4), (2, 8), (4, 8), (4, 32)):
         layout = Layout(dp=2, tp=2, pp=p, micro_batch=2)
-        step = predict_step(shape, layout, 2 * 2 * m, _hardware())
+        step = predict_step(shape, layout, 2 * 2 * m, _hardware(), head_on_last_stage=False)
         assert step.microbatches == m
         assert max(step.tp_s, step.pp_send_s, step.dp_s, step.zero_s) < 1e-12
         ideal = model_flops_per_step(shape, 2 * 2 * m) / 2 / (2 * p) / 1e14  # one replica's share, per rank
@@ -174,6 +176,38 @@ def test_a_model_that_fits_nowhere_gets_an_empty_plan_with_the_memory_it_would_n
         plan(TransformerShape.preset("gpt2"), Cluster(GPUS["A100 80GB"], 8), 0)
 
 
+def test_one_replica_gets_one_zero_stage_and_interleaving_every_v_that_divides_a_stage():
+    """At ``d = 1`` every ZeRO stage is the same layout: the planner lists it once (lesson 11 listed four near ties).
+    Interleaving tries each ``v >= 2`` dividing a stage's layers: GPT-3's 96 layers on 8 stages, 2, 3, 4, 6 and
+    12."""
+    from labkit.costmodel.planner import candidates
+
+    shape = TransformerShape.preset("gpt3-175b")
+    found = candidates(shape, 64, 1536, micro_batches=(1,), recompute=(False,))
+    assert {layout.zero for layout in found if layout.dp == 1} == {0}
+    assert {layout.zero for layout in found if layout.dp == 8} == {0, 1, 3}  # m > 1: ZeRO-2 is ZeRO-1
+    assert {layout.zero for layout in candidates(shape, 64, 8, micro_batches=(1,), recompute=(False,))
+            if layout.dp == 8} == {0, 1, 2, 3}  # m = 1: ZeRO-2 holds a shard of the gradients
+    assert sorted({layout.virtual_stages for layout in found if layout.schedule == "interleaved"
+                   and (layout.tp, layout.pp) == (8, 8)}) == [2, 3, 4, 6, 12]
+    assert [v for v in (2, 3, 4) if any(layout.virtual_stages == v for layout in candidates(
+        shape, 64, 1536, virtual_stages=(2, 3)))] == [2, 3]
+
+
+def test_labkit_plan_shows_the_communication_that_is_not_hidden(capsys):
+    """``labkit plan --model llama-2-70b --gpus 64 --global-batch 1024`` printed 0.000 s in every communication
+    column: the model hid all of it.  Now the DP reduction leaves its last bucket after the pipeline, and what
+    it hides slows the compute beside it: its column and ZeRO's are not zero."""
+    from labkit.cli import main
+
+    assert main(["plan", "--model", "llama-2-70b", "--gpus", "64", "--global-batch", "1024", "--top", "3"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("dp=")]
+    assert len(rows) == 3
+    for row in rows:
+        *_, tp, bubble, send, dp, zero = (float(value) for value in row[-6:])
+        assert int(row[0].removeprefix("dp=")) > 1 and dp > 0 and zero > 0 and tp > 0
+
+
 def test_labkit_plan_prints_the_ranked_table_or_why_nothing_fits(capsys):
     from labkit.cli import main
 
@@ -184,3 +218,22 @@ def test_labkit_plan_prints_the_ranked_table_or_why_nothing_fits(capsys):
     assert "nothing fits: the least memory" in capsys.readouterr().out
     assert main(["plan", "--gpu", "TPU"]) == 2
     assert "unknown GPU 'TPU'" in capsys.readouterr().err
+
+
+def test_under_accumulation_zero_2_prices_and_holds_what_zero_1_does():
+    """With ``m > 1`` ZeRO-2 holds whole gradients through the schedule and, like ZeRO-1, reduce-scatters them and
+    gathers the weights (ZeRO, section 7.2.1): the same step and memory, so the planner lists it once."""
+    from labkit.costmodel.compute import GPUS
+    from labkit.costmodel.planner import Cluster, layout_memory
+    from labkit.costmodel.step import Layout, predict_step
+
+    shape = TransformerShape.preset("gpt3-175b")
+    hardware = Cluster(GPUS["H100 80GB"], 512, 0.53).hardware()
+    one, two = (Layout(16, 4, 8, zero, 1, schedule="interleaved", virtual_stages=12) for zero in (1, 2))
+    assert predict_step(shape, one, 1536, hardware, gradient_bytes=4) == dataclasses.replace(
+        predict_step(shape, two, 1536, hardware, gradient_bytes=4), layout=one)
+    assert layout_memory(shape, one, 1536, gradient_bytes=4) == layout_memory(shape, two, 1536, gradient_bytes=4)
+    assert layout_memory(shape, dataclasses.replace(two, dp=64, pp=2, virtual_stages=1, schedule="1f1b"), 64,
+                         gradient_bytes=4)["gradients"] < layout_memory(
+        shape, dataclasses.replace(one, dp=64, pp=2, virtual_stages=1, schedule="1f1b"), 64,
+        gradient_bytes=4)["gradients"]

@@ -2,7 +2,8 @@
 
 Sources: NVIDIA's Megatron-LM README, "Performance Benchmarking" (commit f2e5db402c, 2024-07-15, Megatron-Core
 r0.8.0: the H100 model table, the weak- and strong-scaling figures, https://github.com/NVIDIA/Megatron-LM), and
-the Llama Team's "The Llama 3 Herd of Models" (Dubey et al., 2024, arXiv 2407.21783, Tables 3 and 4).
+the Llama Team's "The Llama 3 Herd of Models" (Dubey et al., 2024, arXiv 2407.21783, Tables 3 and 4); Narayanan
+et al. 2021's Table 1 is tested beside the out-of-sample scores, tests/test_costmodel_validation.py.
 Run with ``pytest -s`` to see each row's published and predicted numbers side by side.
 """
 
@@ -13,28 +14,27 @@ import math
 
 import pytest
 
-from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPUS, mfu, model_flops_per_step
 from labkit.costmodel.memory import num_parameters
-from labkit.costmodel.planner import Cluster, candidates, plan
+from labkit.costmodel.planner import Cluster, plan
 from labkit.costmodel.published import (
-    EFFICIENCY,
     FIGURE_READING_ERROR,
     LLAMA3_405B,
     LLAMA3_TRAINING_FLOPS,
     LLAMA3_TRAINING_TOKENS,
     MEGATRON_STRONG_SCALING,
     MEGATRON_WEAK_SCALING,
+    NARAYANAN_2021,
     RUNS,
     megatron_flops_per_step,
-    predict,
-    squared_error,
     strong_scaling_run,
 )
 from labkit.costmodel.step import Layout, predict_step
+from labkit.costmodel.validation import EFFICIENCY, planner_agreement, predict
 
 H100_PEAK = GPUS["H100 80GB"].peak_bf16_flops
-MODELLED = [run for run in RUNS if run.modelled]
+H100_RUNS = MEGATRON_WEAK_SCALING + LLAMA3_405B
+MODELLED = [run for run in H100_RUNS if run.modelled]
 SHAPES = MEGATRON_WEAK_SCALING + LLAMA3_405B[:1]  # every published shape once
 
 
@@ -104,7 +104,7 @@ def _agrees(run, peak: float) -> bool:
     return low < run.mfu + 0.005 and high >= run.mfu - 0.005
 
 
-@pytest.mark.parametrize("run", RUNS, ids=_ids(RUNS))
+@pytest.mark.parametrize("run", H100_RUNS, ids=_ids(H100_RUNS))
 def test_published_tflops_and_mfu_agree_at_the_h100_peak_and_imply_the_step(run):
     """Megatron-LM README's model table and Llama 3 Table 4: MFU is TFLOP/s per GPU over the H100's 989 TFLOP/s
     (bf16, dense) within the rounding of both; and the step the TFLOP/s imply, with labkit's FLOPs, gives back
@@ -114,6 +114,7 @@ def test_published_tflops_and_mfu_agree_at_the_h100_peak_and_imply_the_step(run)
     assert mfu(run.model_flops(), step_s, run.gpus, H100_PEAK) == pytest.approx(
         run.tflops_per_gpu * 1e12 / H100_PEAK, rel=1e-12)
     assert abs(run.tflops_per_gpu * 1e12 / H100_PEAK - run.mfu) <= 0.005 + run.tflops_resolution * 1e12 / H100_PEAK
+    assert run.model_mfu == pytest.approx(run.tflops_per_gpu * 1e12 / H100_PEAK, rel=1e-12)
     print(f"{run.name}: implied step {step_s:.2f} s, {run.tokens_per_step / step_s / run.gpus:,.0f} tokens/s per GPU")
 
 
@@ -143,75 +144,49 @@ def test_llama3_training_compute_is_six_n_d_and_labkit_adds_attention():
 
 
 # --------------------------------------------------------------------------------------------------------
-# Predicted beside published, with one calibration constant
-
-# What labkit's step model reaches with EFFICIENCY at the layouts of labkit.costmodel.published, each run modelled
-# as it was run (flash attention, fp32 gradient reduction, the weights' gather overlapped): every row within 9
-# points of the published MFU, not the 5 aimed for.  Two rows miss 5, both predicted too low: 16B (-8.5) and 32B
-# (-8.9).  The test below checks the cause the module docstring names.
-MFU_ERROR_BOUND = 0.09
-WITHIN_5_POINTS = 9
+# Predicted beside published: the terms (the scores are tests/test_costmodel_validation.py's)
 
 
-def _tp_hidden(run):
-    """``run``'s predicted MFU with its node's links free: for these layouts (TP inside a node, the DP and PP
-    groups across nodes) that hides the TP all-reduces entirely, the most ``--tp-comm-overlap`` could."""
-    hardware = run.cluster(EFFICIENCY).hardware()
-    step = predict_step(run.pipeline_shape(), run.layout(), run.global_batch,
-                        dataclasses.replace(hardware, intra_node=LinkModel(0.0, 0.0)), **run.step_options())
-    return mfu(run.model_flops(), step.step_s, run.gpus, H100_PEAK)
-
-
-def test_predicted_mfu_of_each_published_layout_beside_the_published():
-    """Megatron-LM README's model table and Llama 3 Table 4 (rows without context parallelism): ``predict_step``
-    at each published layout, run as the sources say (``PublishedRun.step_options``), on H100s running their
-    matrices at EFFICIENCY of peak (the least-squares value over these eleven rows, to 0.001) predicts an MFU
-    within MFU_ERROR_BOUND of the published one, 5 points or less for WITHIN_5_POINTS of the eleven.
-
-    The rows that miss by more than 5 points are predicted too slow, by communication labkit leaves exposed:
-    TP all-reduces, which Megatron-LM overlaps (``--tp-comm-overlap``), and the DP reduce-scatter of fp32
-    gradients and gather of weights, of which only one micro-batch's backward and forward hide any (four per
-    replica there): together a third or more of their predicted step.  With the TP all-reduces hidden entirely
-    each gains 3 points or more."""
-    predictions = {run.name: predict(run) for run in MODELLED}
-    print(f"\nefficiency {EFFICIENCY}: {'run':<28} {'published':>9} {'predicted':>9} {'error':>6}   "
-          "share of the predicted step: compute tp bubble pp-send dp zero")
-    for run in MODELLED:
-        step, predicted = predictions[run.name]
-        shares = " ".join(f"{seconds / step.step_s:.2f}" for seconds in step.parts().values())
-        print(f"{'':>17}{run.name:<28} {run.mfu:>9.1%} {predicted:>9.1%} {100 * (predicted - run.mfu):>+6.1f}   "
-              f"{shares}")
-    errors = {run.name: predictions[run.name][1] - run.mfu for run in MODELLED}
-    assert max(abs(error) for error in errors.values()) <= MFU_ERROR_BOUND
-    assert sum(abs(error) <= 0.05 for error in errors.values()) == WITHIN_5_POINTS
-    assert math.sqrt(sum(error ** 2 for error in errors.values()) / len(errors)) < 0.05
-    for run in MODELLED:
-        step, predicted = predictions[run.name]
-        if abs(errors[run.name]) > 0.05:
-            assert errors[run.name] < 0 and step.tp_s + step.dp_s + step.zero_s >= step.step_s / 3, run.name
-            hidden = _tp_hidden(run)
-            print(f"  {run.name}: with the TP all-reduces hidden, {hidden:.1%} ({100 * (hidden - run.mfu):+.1f})")
-            assert hidden - predicted >= 0.03, run.name
-    # the constant is the least-squares one (the error is unimodal in it): its neighbours do worse
-    here = squared_error(EFFICIENCY, MODELLED)
-    assert here <= squared_error(EFFICIENCY - 0.001, MODELLED) and here <= squared_error(EFFICIENCY + 0.001, MODELLED)
+def test_the_fit_sets_slowest_predictions_are_its_most_communicating_rows():
+    """Megatron-LM README's model table at the fitted efficiency: the three rows predicted furthest below the
+    measurement (16B, 32B, 70B) are the three whose predicted step holds the most DP and ZeRO traffic that the
+    one backward and forward hiding it leave exposed (48 replicas, 4 or 8 micro-batches each): a sixth to a
+    third of the step, against a tenth or less in every other row.  Megatron-LM measured them at 42-49 %: it hides more of that traffic than labkit's
+    model lets it (the notebook says so)."""
+    shares, errors = {}, {}
+    print(f"\n{'run':<6} {'measured':>8} {'predicted':>9}   share of the predicted step: compute tp bubble "
+          "pp-send dp zero")
+    for run in MEGATRON_WEAK_SCALING:
+        step, predicted = predict(run)
+        shares[run.name] = (step.dp_s + step.zero_s) / step.step_s
+        errors[run.name] = predicted - run.model_mfu
+        print(f"{run.name:<6} {run.model_mfu:>8.1%} {predicted:>9.1%}   "
+              + " ".join(f"{seconds / step.step_s:.3f}" for seconds in step.parts().values()))
+    slowest = sorted(errors, key=errors.get)[:3]
+    assert sorted(slowest) == sorted(sorted(shares, key=shares.get, reverse=True)[:3]) == ["16B", "32B", "70B"]
+    assert all(shares[name] > 0.17 for name in slowest) and shares["32B"] > 0.3
+    assert all(step_share < 0.1 for name, step_share in shares.items() if name not in slowest)  # the others
 
 
 def test_the_runs_are_modelled_as_the_sources_say_they_were_run():
-    """Megatron-LM (``arguments.py``, Transformer Engine's attention at commit f2e5db402c) and Llama 3 (section
-    3.3.2): flash attention, gradients reduced in fp32, ZeRO-2's traffic with the weights' gather overlapped;
-    dropout in Megatron's defaults only.  The step model gets them: for the 16B, fp32 gradients cost 7 points
-    of predicted MFU (47.8 % with bf16) and the overlapped gather gains 2.5 (38.0 % exposed); so does the memory
-    model: with the attention matrices stored, the Llama layout as run would need 386 GB per GPU."""
+    """Megatron-LM (``arguments.py``, Transformer Engine's attention at commit f2e5db402c, the README's
+    ``--tp-comm-overlap``) and Llama 3 (section 3.3.2): flash attention, gradients accumulated and reduced in
+    fp32, ZeRO-2's traffic with the weights' gather overlapped; dropout in Megatron's defaults only; TP
+    overlapped in Megatron's.  The step model gets them: for the 16B, fp32 gradients cost 8 % of the predicted
+    step, the overlapped gather saves 5 % and the overlapped TP 6 %; so does the memory model: with the
+    attention matrices stored, the Llama layout as run would need 418 GB per GPU, not 111."""
     for run in MODELLED:
         assert run.plan_options() == {"flash_attention": True, "dropout": run.architecture == "gpt",
-                                      "gradient_bytes": 4, "overlap_gather": True}
+                                      "gradient_bytes": 4, "overlap_gather": True,
+                                      "overlap_tp": run.architecture == "gpt"}
     run = MEGATRON_WEAK_SCALING[2]
     as_run = predict(run)[0].step_s
-    assert predict(dataclasses.replace(run, gradient_bytes=2))[0].step_s < as_run
-    assert predict(dataclasses.replace(run, overlap_gather=False))[0].step_s > as_run
+    assert 0.91 < predict(dataclasses.replace(run, gradient_bytes=2))[0].step_s / as_run < 0.93
+    assert 1.04 < predict(dataclasses.replace(run, overlap_gather=False))[0].step_s / as_run < 1.06
+    assert 1.05 < predict(dataclasses.replace(run, overlap_tp=False))[0].step_s / as_run < 1.07
     llama = LLAMA3_405B[0]
-    assert llama.memory()["total"] < dataclasses.replace(llama, flash_attention=False).memory()["total"] / 4
+    assert round(llama.memory()["total"] / 1e9) == 111
+    assert round(dataclasses.replace(llama, flash_attention=False).memory()["total"] / 1e9) == 418
 
 
 def test_a_context_parallel_row_has_no_layout():
@@ -225,84 +200,41 @@ def test_a_context_parallel_row_has_no_layout():
 # --------------------------------------------------------------------------------------------------------
 # The planner, given each published model, GPU count and batch
 
-# The full search (4 micro-batch sizes, 4 schedules, 4 ZeRO stages, recomputation or not) simulates thousands of
-# schedules at these GPU counts and takes minutes on two cores; the published runs use one-sequence micro-batches
-# and the 1F1B or interleaved schedule, and shard optimizer states, so the planner searches that neighbourhood.
+# The published runs use one-sequence micro-batches, the 1F1B or interleaved schedule and a distributed optimizer:
+# the planner searches that neighbourhood (with and without recomputation, every interleaving v).
 CHOICES = {"micro_batches": (1,), "schedules": ("1f1b", "interleaved"), "zero_stages": (1, 2),
            "recompute": (False, True)}
-# Virtual stages per rank the planner tries, with each row's own (one layer per virtual stage: 23 for the 119B's
-# 4 stages and 7 for the 462B's 16 divide nothing else), so that it can interleave the published PP as assumed.
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)
-
-# What the planner does with each row, planning as the run was run (PublishedRun.plan_options), by its own
-# numbers: "beats": its best has other degrees and is faster than the fastest completion of the published TP and
-# PP that fits; "match": it proposes the published TP and PP; "published does not fit": no completion fits.
-# With flash attention every published TP and PP has a completion that fits (the Llama rows' with
-# recomputation), and in every row the planner finds other degrees a little faster (1-17 %).
-PLANNER_OUTCOME = {"1.7B": "beats", "7.1B": "beats", "16B": "beats", "32B": "beats", "70B": "beats",
-                   "119B": "beats", "177B": "beats", "314B": "beats", "462B": "beats",
-                   "405B, 8192 GPUs, seq 8192": "beats", "405B, 16384 GPUs, seq 8192": "beats"}
-# The published layouts as run (no recomputation) that labkit's memory model says need more than 80 GB per GPU:
-# the Llama rows, 94 GB (the module docstring says why).
-AS_RUN_DOES_NOT_FIT = {"405B, 8192 GPUs, seq 8192", "405B, 16384 GPUs, seq 8192"}
-
-
-def _choices(run):
-    return CHOICES | {"virtual_stages": tuple(sorted({*VIRTUAL_STAGES, run.virtual_stages}))}
-
-
-def _fastest_with_the_published_degrees(run, cluster):
-    """The planner's best completion (ZeRO stage, recomputation, schedule) of the published TP and PP: the
-    fastest fitting candidate with those degrees, or None and the least memory per GPU any of them needs."""
-    shape = run.pipeline_shape()
-    same = [layout for layout in candidates(shape, run.gpus, run.global_batch, **_choices(run))
-            if (layout.tp, layout.pp) == (run.tp, run.pp)]
-    memory = {layout: run.memory(layout)["total"] for layout in same}
-    fitting = [layout for layout in same if memory[layout] <= cluster.gpu.memory_bytes]
-    steps = [predict_step(shape, layout, run.global_batch, cluster.hardware(), **run.step_options())
-             for layout in fitting]
-    return min(steps, key=lambda step: step.step_s, default=None), min(memory.values())
+# What the planner picks, planning as each run was run, and how much slower its own model says the published
+# (t, p) is at best: the same (t, p) in 4 rows, within 5 % in 2 more; 16B (t = 2 instead of 4), 32B (a 3-stage
+# pipeline instead of none: its 48 replicas' reduction exposed) and 70B by 6-26 %.  (462B picked t = 16 across two
+# nodes while TP's all-reduces counted as hidden over InfiniBand too; overlap_tp now applies inside a node only.)  Llama 3's layouts split 126
+# layers into 16 stages by giving the first and last a layer less, which the planner does not search: with 8192
+# and 16384 GPUs no pipeline of whole layers (2 stages at most) fits.
+PICKS = {"1.7B": ((2, 1), 0.005), "7.1B": ((2, 1), 0.0), "16B": ((2, 1), 0.057), "32B": ((8, 3), 0.257),
+         "70B": ((8, 4), 0.085), "119B": ((8, 4), 0.0), "177B": ((8, 6), 0.0), "314B": ((8, 6), 0.003),
+         "462B": ((8, 16), 0.0)}
+# The published layouts as run that labkit's memory model says need more than the planner's 72 GB: the Llama rows
+# (111 and 101 GB: their interleaved schedule's warm-up holds 18 of a stage's micro-batches at 8K tokens; the
+# paper frees each stage's input and output tensors early and balances the first and last stages, module docstring)
+AS_RUN_DOES_NOT_FIT = {"405B, 8192 GPUs, seq 8192": 111, "405B, 16384 GPUs, seq 8192": 101}
 
 
 @pytest.mark.parametrize("run", MODELLED, ids=_ids(MODELLED))
-def test_the_planner_matches_the_published_degrees_or_beats_them_by_its_own_numbers(run):
+def test_the_planner_beside_the_published_degrees(run):
     """Megatron-LM README's model table and Llama 3 Table 4: ``plan`` for the published model, GPUs and batch,
-    run as the sources say, proposes the published TP and PP, or something its own ``predict_step`` says is
-    faster than every completion of them that fits (or none fits).  Printed: the terms that differ.  Where the
-    published layout as run does not fit labkit's memory model, that layout is predicted faster than the
-    planner's choice: the memory model, not the time model, keeps the planner from it.  Where it fits, it
-    still fits with the fp32 gradients labkit's memory model does not count."""
-    cluster = run.cluster(EFFICIENCY)
-    result = plan(run.pipeline_shape(), cluster, run.global_batch, top=1, **run.plan_options(), **_choices(run))
-    best = result.best
-    assert best is not None, result.reason()
-    published, least_memory = _fastest_with_the_published_degrees(run, cluster)
-    print(f"\n{run.name}: published tp={run.tp} pp={run.pp}; planner {best.layout.label()}, "
-          f"{best.step.step_s:.2f} s, MFU {best.mfu:.1%} ({result.reason()})")
-    if (best.layout.tp, best.layout.pp) == (run.tp, run.pp):
-        outcome = "match"
-    elif published is None:
-        outcome = "published does not fit"
-        print(f"  every completion of tp={run.tp} pp={run.pp} needs {least_memory / 1e9:.0f} GB per GPU or more")
-        assert least_memory > cluster.gpu.memory_bytes
-    else:
-        outcome = "beats"
-        assert best.step.step_s <= published.step_s
-        print(f"  the published degrees at best: {published.layout.label()}, {published.step_s:.2f} s; planner "
-              "minus published (s): " + ", ".join(
-                  f"{name} {mine - theirs:+.3f}" for (name, mine), theirs
-                  in zip(best.step.parts().items(), published.parts().values(), strict=True) if mine != theirs))
-    assert outcome == PLANNER_OUTCOME[run.name]
-    as_run = run.layout()
-    memory, uncounted = run.memory()["total"], run.uncounted_gradient_bytes()
-    step = predict_step(run.pipeline_shape(), as_run, run.global_batch, cluster.hardware(), **run.step_options())
-    print(f"  as run, {as_run.label()}: {step.step_s:.2f} s, {memory / 1e9:.0f} GB per GPU by labkit's memory "
-          f"model, {uncounted / 1e9:.0f} GB more with whole fp32 gradients")
-    assert (memory > cluster.gpu.memory_bytes) == (run.name in AS_RUN_DOES_NOT_FIT)
+    run as the sources say; the published (t, p)'s best completion, by the same model."""
+    agreement = planner_agreement(run, **CHOICES)
+    best = agreement.result.best
+    memory = round(agreement.published_memory / 1e9)
+    print(f"\n{run.name}: published tp={run.tp} pp={run.pp} ({memory} GB as run); planner "
+          + (f"{best.layout.label()}, MFU {best.mfu:.1%}" if best else agreement.result.reason()))
     if run.name in AS_RUN_DOES_NOT_FIT:
-        assert step.step_s < best.step.step_s
-    else:
-        assert memory + uncounted <= cluster.gpu.memory_bytes
+        assert best is None and agreement.published is None and memory == AS_RUN_DOES_NOT_FIT[run.name]
+        return
+    picked, slower = PICKS[run.name]
+    assert agreement.picked == picked and round(agreement.slower, 3) == slower
+    assert agreement.agrees == (slower <= 0.05)
+    assert agreement.published_memory <= run.cluster(EFFICIENCY).usable_bytes
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -323,12 +255,11 @@ def test_strong_scaling_readings_fall_from_47_to_42_percent_and_meet_the_table()
 
 
 def test_predicted_strong_scaling_loses_mfu_as_the_gpus_grow():
-    """Megatron-LM README's strong-scaling figure, at the inferred TP 8, PP 6: labkit predicts the MFU falling
-    as GPUs are added at a fixed batch (fewer micro-batches per pipeline, a reduction over more replicas with
-    less backward to hide behind), faster than measured (53.7 % to 40.6 %): within 7 points of each reading.
-    (144 and 288 GPUs are left out for time: hundreds of micro-batches in 16 virtual stages to simulate, seconds
-    each.)"""
-    points = [point for point in MEGATRON_STRONG_SCALING if point.gpus == 96 or point.gpus >= 576]
+    """Megatron-LM README's strong-scaling figure, at the inferred TP 8, PP 6 (not fitted: the efficiency was
+    fitted on the model table alone): labkit predicts the MFU falling as GPUs are added at a fixed batch (fewer
+    micro-batches per pipeline, a reduction over more replicas with less backward to hide behind), from 49.3 %
+    to 42.0 % where the figure reads 46.9 % to 42.0 %: a little faster, within 2.5 points of each reading."""
+    points = list(MEGATRON_STRONG_SCALING)
     predicted = []
     for point in points:
         _, value = predict(strong_scaling_run(point))
@@ -336,7 +267,7 @@ def test_predicted_strong_scaling_loses_mfu_as_the_gpus_grow():
         print(f"177B on {point.gpus} GPUs: read {point.mfu:.1%}, predicted {value:.1%}")
     assert predicted == sorted(predicted, reverse=True)
     assert predicted[0] - predicted[-1] > points[0].mfu - points[-1].mfu
-    assert max(abs(value - point.mfu) for value, point in zip(predicted, points, strict=True)) < 0.07
+    assert max(abs(value - point.mfu) for value, point in zip(predicted, points, strict=True)) < 0.025
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -378,5 +309,7 @@ def test_degrees_that_do_not_divide_are_refused_naming_the_value():
 
 def test_every_run_names_its_source():
     runs = RUNS + tuple(strong_scaling_run(point) for point in MEGATRON_STRONG_SCALING)
-    assert all(run.source.startswith(("NVIDIA, Megatron-LM README", "Llama Team, AI @ Meta")) for run in runs)
+    assert all(run.source.startswith(("NVIDIA, Megatron-LM README", "Llama Team, AI @ Meta", "Narayanan et al."))
+               for run in runs)
+    assert all(run.source.endswith("Table 1") and "2104.04473" in run.source for run in NARAYANAN_2021)
     assert all("images/strong_scaling.png" in strong_scaling_run(point).source for point in MEGATRON_STRONG_SCALING)

@@ -139,6 +139,82 @@ def test_the_tensor_parallel_checks_refuse_torchs_differentiable_all_reduce_and_
     assert not result.passed and used in result.message, result.message
 
 
+@pytest.mark.parametrize("name, hints", [
+    ("tensor_parallel_g_backward_averages", ["t=4, the default group (None), its rank 0, inputs [5, 5 features]: g "
+                                             "(ReduceFromTensorParallel)'s backward ran c10d.allreduce_",
+                                             "g's backward is the identity"]),
+    ("tensor_parallel_f_forward_averages", ["f (CopyToTensorParallel)'s forward ran c10d.allreduce_",
+                                            "every rank already holds x"]),
+    ("tensor_parallel_f_backward_contiguous_alias", ["backward changed the gradient it was given, in place",
+                                                     ".contiguous() and .reshape() of a contiguous tensor"]),
+    ("tensor_parallel_f_backward_view_flat", ["laid out transposed (not contiguous): f (CopyToTensorParallel) raised "
+                                              "RuntimeError: view size"]),
+    ("tensor_parallel_f_backward_clone_keeps_strides", ["f (CopyToTensorParallel) handed c10d.allreduce_ a tensor "
+                                                        "that is not contiguous", "NCCL refuses those"]),
+    ("tensor_parallel_labkit_operators_bound_at_import", ["used labkit.parallel.tensor.ops._CopyToTensorParallel."
+                                                          "forward, labkit's own implementation"]),
+])
+def test_the_f_and_g_probes_say_what_went_wrong_in_the_students_terms(name, hints, tmp_path):
+    result = grading.run_check(tensor_parallel_checks.check_f_and_g, BY_NAME[name].write(tmp_path / name))
+    assert not result.passed and all(hint in result.message for hint in hints), result.message
+
+
+@pytest.mark.parametrize("name, check, hints", [
+    ("tensor_parallel_column_broadcasts_x", 2, ["column_parallel_forward ran c10d.broadcast_ in forward, besides f "
+                                                "and g", "every rank already holds the whole x"]),
+    ("tensor_parallel_row_all_gathers_to_check", 3, ["row_parallel_forward ran c10d.allgather_ in forward, besides f "
+                                                     "and g"]),
+    ("tensor_parallel_f_backward_all_gather_sum", 0, ["f (CopyToTensorParallel)'s backward ran c10d.allgather_: one "
+                                                      "all-reduce"]),
+    ("tensor_parallel_g_reduce_then_broadcast", 0, ["g (ReduceFromTensorParallel)'s forward ran c10d.reduce_, "
+                                                    "c10d.broadcast_"]),
+    ("tensor_parallel_graders_f_imported_when_called", 2, ["imported labkit.grading.checkers.tensor_parallel, the "
+                                                           "grader itself"]),
+])
+def test_a_layer_or_operator_sends_one_all_reduce_and_nothing_else(name, check, hints, tmp_path):
+    result = grading.run_check(tensor_parallel_checks.CHECKS[check], BY_NAME[name].write(tmp_path / name))
+    assert not result.passed and all(hint in result.message for hint in hints), result.message
+
+
+def test_the_guard_keeps_the_graders_own_references_from_the_students_code():
+    import types
+
+    from labkit.grading.checkers import parallelism_3d as checks
+
+    for source in ("from labkit.grading.checkers import parallelism_3d as grader\n",
+                   "class F(__import__('labkit.grading.checkers.tensor_parallel', fromlist=['_'])._Copy):\n    pass\n"):
+        student = types.ModuleType("labkit_exercise_held")
+        exec(source, student.__dict__)
+        with pytest.raises(guard.Forbidden, match="the grader itself"), guard.graders_off_limits(student):
+            pass
+    student = types.ModuleType("labkit_exercise_called")
+    exec("def imports():\n    import labkit.grading\n\ndef calls(digits):\n    return digits(5, {'tp': 2, 'dp': 3}, "
+         "'tp-dp')\n", student.__dict__)
+    with guard.graders_off_limits(student):
+        assert checks._digits(5, {"tp": 2, "dp": 3}, "tp-dp") == {"tp": 1, "dp": 2}  # the checker's own call
+        with pytest.raises(guard.Forbidden, match="imported labkit.grading, the grader itself"):
+            student.imports()
+        with pytest.raises(guard.Forbidden, match="used labkit.grading.checkers.parallelism_3d._digits"):
+            student.calls(checks._digits)
+    assert student.calls(checks._digits) == {"tp": 1, "dp": 2}  # all put back
+
+
+def test_an_average_over_the_group_fails_the_probes_by_its_numbers_alone():
+    """Every rank's probe gradient differs, so an average is not the identity even where no message is seen."""
+    from labkit.grading.checkers import tensor_parallel_fg as fg
+
+    ranks = [0, 1, 2, 3]
+    xs, grads = fg._truth("g", tuple(ranks), 0, len(ranks), "plain")
+    out = {"error": None, "seen": [("forward", "c10d.allreduce_", True)], "x": xs[1], "y": sum(xs), "kept": True,
+           "side": None, "grad": sum(grads) / 4}
+    with pytest.raises(grading.CheckFailed, match="the mean of the 4 gradients the group's ranks were given, not its own"):
+        fg._judge("g", out, ranks, 1, 0, "plain")
+    fg._judge("g", {**out, "grad": grads[1]}, ranks, 1, 0, "plain")
+    xs, _ = fg._truth("f", tuple(ranks), 0, len(ranks), "plain")
+    with pytest.raises(grading.CheckFailed, match="f .CopyToTensorParallel.'s output differs from this rank's input"):
+        fg._judge("f", {**out, "x": xs[2], "y": sum(xs) / 4, "seen": []}, ranks, 2, 0, "plain")
+
+
 def _grows_late(scale, found_inf, good_steps, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
     if found_inf:
         return scale * backoff_factor, 0
@@ -346,6 +422,11 @@ def test_the_pipeline_checks_refuse_labkits_and_torchs_1f1b_tables(name, used, t
     ("pipeline_parallel_warmup_one_short", 0, ["('F', -1)", "min(p - 1 - rank, m) = 0"]),
     ("pipeline_parallel_warmup_reversed", 0, ["cannot run these orders together: your 1F1B: deadlock",
                                               "rank 0 at 0B0 waits for 1B0", "2B5 is rank 2's (\"B\", 5)"]),
+    ("pipeline_parallel_warmup_forwards_unordered", 0, ["rank=0, p=4, m=16) runs its forwards in the order [0, 2, 1, 3",
+                                                        "micro-batch 2 before 1", "run them 0, 1, 2"]),
+    ("pipeline_parallel_right_up_to_8_stages", 0, ["p=12, m=", "deadlock"]),
+    ("pipeline_parallel_fixed_stage_counts_only", 2, ["all m of them, as GPipe does"]),
+    ("pipeline_parallel_torch_warmup_count", 0, ["torch.distributed.pipelining.schedules._get_warmup_ops, a built-in"]),
 ])
 def test_the_pipeline_hints_say_what_went_wrong_in_the_students_terms(name, check, hints, tmp_path):
     result = grading.run_check(pipeline_parallel_checks.CHECKS[check], BY_NAME[name].write(tmp_path / name))
@@ -353,7 +434,7 @@ def test_the_pipeline_hints_say_what_went_wrong_in_the_students_terms(name, chec
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Exercise 08: the parameter server's rule under bounded staleness
+# Exercise 08: the parameter server's rule under a bounded delay
 
 
 def test_the_guard_refuses_labkits_rule_but_leaves_its_parameter_server_working():
@@ -361,11 +442,11 @@ def test_the_guard_refuses_labkits_rule_but_leaves_its_parameter_server_working(
 
     with guard.forbid(library=guard.LABKIT_IMPLEMENTATIONS, allow=parameter_server_checks.CHECKER_TOOLS):
         with pytest.raises(guard.Forbidden, match="Gate.__init__, labkit's own implementation"):
-            Gate("ssp", 2, staleness_bound=1)
-        _check("ssp", 3, 0.1, 1, 0, 2)  # run_parameter_server's argument check, which the launched check runs
+            Gate("bounded_delay", 2, max_delay=1)
+        _check("bounded_delay", 3, 0.1, None, 0, 2, 1)  # run_parameter_server's argument check (the launched check)
         stragglers = Stragglers(slow={0: 0.25})
         assert stragglers.delay(0, stragglers.generator(0)) == 0.25 and Decision(apply=(1,)).apply == (1,)
-    assert Gate("ssp", 2, staleness_bound=1).arrive(0, 0) == Decision(apply=(0,), release=(0,))
+    assert Gate("bounded_delay", 2, max_delay=1).arrive(0, 0) == Decision(apply=(0,), release=(0,))
 
 
 def test_the_reference_plays_reach_the_bound_so_an_answer_off_by_one_has_somewhere_to_fail():
@@ -383,24 +464,34 @@ def test_the_reference_plays_reach_the_bound_so_an_answer_off_by_one_has_somewhe
 
 
 @pytest.mark.parametrize("name, check, hints", [
-    ("parameter_server_strict", 1, ["4 workers, s=2, arrival 2", "would be 2 stale, which s=2 allows (equal to s "
-                                    "is allowed: hold only while version + 1 - oldest > s)", "; yours holds"]),
+    ("parameter_server_strict", 1, ["4 workers, tau=2, arrival 2", "would be 2 stale, which tau=2 allows (equal to "
+                                    "tau is allowed: hold only while version + 1 - oldest > tau)", "; yours holds"]),
     ("parameter_server_sync", 1, ["yours holds (yours waits for every worker, as synchronous training does: that "
-                                  "is s = 0)"]),
-    ("parameter_server_async", 1, ["more than s=2 (one update more than s allows): hold", "yours applies [1] (yours "
-                                   "applies every gradient on arrival, as asynchronous training does"]),
+                                  "is tau = 0)"]),
+    ("parameter_server_async", 1, ["more than tau=2 (one update more than tau allows): hold", "yours applies [1] "
+                                   "(yours applies every gradient on arrival, as asynchronous training does"]),
     ("parameter_server_lenient", 0, ["worker 0, still computing on version 0, is 3 updates behind, so its gradient "
-                                     "will arrive more than s=2 stale"]),
-    ("parameter_server_lenient", 1, ["(one update more than s allows): hold (return [], []) until it arrives; yours "
-                                     "applies [1] ("]),
+                                     "will arrive more than tau=2 stale. Hold"]),
+    ("parameter_server_lenient", 1, ["(one update more than tau allows): hold (return [], []) until it arrives; "
+                                     "yours applies [1] ("]),
+    ("parameter_server_ssp_instead", 0, ["more than tau=2 stale (yours applies each gradient on arrival and holds "
+                                         "only its worker: that is Ho et al.'s SSP, which bounds how far a worker's "
+                                         "clock runs ahead, not staleness"]),
+    ("parameter_server_ssp_instead", 1, ["hold (return [], []) until it arrives; yours applies [", "that is Ho et "
+                                         "al.'s SSP"]),
+    ("parameter_server_ssp_instead", 2, ["on 4 launched ranks (worker 0 slow), 3 workers, tau=1", "Ho et al.'s SSP"]),
     ("parameter_server_never_releases", 0, ["no worker computes any more: workers [0, 1, 2, 3] applied but never "
                                             "released", "the server would wait for ever"]),
     ("parameter_server_applies_held_twice", 0, ["but worker 3 is still computing", "(is self.held emptied"]),
     ("parameter_server_bounds_the_arriving_gradient", 1, ["yours applies [1] (and"]),
-    ("parameter_server_never_releases", 2, ["on 4 launched ranks (worker 0 slow), 3 workers, s=1",
+    ("parameter_server_never_releases", 2, ["on 4 launched ranks (worker 0 slow), 3 workers, tau=1",
                                             "applied but never released"]),
-    ("parameter_server_lenient", 2, ["on 4 launched ranks (worker 0 slow), 3 workers, s=1", "is 2 updates behind"]),
+    ("parameter_server_lenient", 2, ["on 4 launched ranks (worker 0 slow), 3 workers, tau=1", "is 2 updates behind"]),
     ("parameter_server_labkit_gate", 2, ["rank 0 used labkit.parallel.parameter_server.Gate.__init__, labkit's own"]),
+    ("parameter_server_releases_on_the_old_version", 1, ["yours holds. Your self.computing says {0: 2, 2: 1, 3: 2}: a "
+                                                         "worker released by an update computes on the version that "
+                                                         "update made"]),
+    ("parameter_server_newest_computing", 0, ["worker 0, still computing on version 0, is 3 updates behind"]),
 ])
 def test_the_parameter_server_hints_say_what_went_wrong_in_the_students_terms(name, check, hints, tmp_path):
     result = grading.run_check(parameter_server_checks.CHECKS[check], BY_NAME[name].write(tmp_path / name))
@@ -480,15 +571,54 @@ def test_the_guard_refuses_labkits_and_torchs_checkpointing_but_leaves_labkits_d
     ("checkpointing_forgets_sampler", 2, ["the file holds no rank's sampler generator state"]),
     ("checkpointing_saves_from_every_rank", 1, ["rank 1 wrote checkpoint.pt during save_checkpoint",
                                                 "rank 0 alone writes"]),
-    ("checkpointing_no_barrier", 1, ["the moment save_checkpoint returned on rank 1, torch.load(path) there found no "
-                                     "file at path", "dist.barrier()"]),
+    ("checkpointing_no_barrier", 1, ["an older checkpoint at path: the moment save_checkpoint returned on rank 1, "
+                                     "path there still held the older checkpoint", "dist.barrier()"]),
+    ("checkpointing_polls_for_the_file", 1, ["path there still held the older checkpoint", "waits for a file"]),
+    ("checkpointing_step_from_the_optimizer", 0, ["load_checkpoint returned 2 on rank 0; return the step that "
+                                                  "save_checkpoint was given (3)"]),
+    ("checkpointing_load_skips_missing_state", 0, ["load_checkpoint of a file saved without scheduler=, given "
+                                                   "scheduler=, returned on rank 0: raise ValueError"]),
+    ("checkpointing_fsync_before_writing", 3, ["fsynced (or synced) the temporary file before its last bytes were "
+                                               "written"]),
+    ("checkpointing_sync_before_writing", 3, ["fsynced (or synced) the temporary file before its last bytes"]),
+    ("checkpointing_folder_of_a_bare_name", 3, ['save_checkpoint("checkpoint.pt", ...), a path without a folder, '
+                                                "raised on rank 0: FileNotFoundError"]),
     ("checkpointing_copies_the_tmp_file", 1, ["left checkpoint.pt.tmp beside the checkpoint", "os.replace"]),
     ("checkpointing_labkit_checkpoint", 0, ["rank 0 used labkit.checkpoint.save, labkit's own implementation"]),
     ("checkpointing_dcp", 1, ["used torch.distributed.checkpoint.state_dict_saver.save, a built-in"]),
+    ("checkpointing_drops_scheduler", 0, ["from step 6 on, rank 0's loss", "the learning-rate schedule is not where it "
+                                          "was (scheduler.state_dict(): last_epoch 3 saved, 0 after the load)"]),
+    ("checkpointing_drops_scaler", 0, ["rank 0 resumes with the straight run's losses and weights for 3 steps, but not "
+                                       "its state", "the GradScaler's state is not the one saved"]),
+    ("checkpointing_every_rank_saves_imported_by_name", 1, ["3 ranks: rank 1 wrote checkpoint.pt during "
+                                                            "save_checkpoint", "rank 0 alone writes"]),
+    ("checkpointing_every_rank_renames_its_own_file", 1, ["3 ranks: rank 1 wrote checkpoint.pt.1.tmp"]),
+    ("checkpointing_direct_save", 3, ["rank 0 opened path itself for writing", "path + '.tmp'"]),
+    ("checkpointing_direct_save_imported_by_name", 3, ["rank 0 opened path itself for writing"]),
+    ("checkpointing_no_fsync", 3, ["renamed the temporary file onto path without fsyncing it first: the data"]),
+    ("checkpointing_fsync_after_the_rename", 3, ["without fsyncing it first (you fsync it after the rename"]),
+    ("checkpointing_no_folder_fsync", 3, ["rank 0 did not fsync the folder after the rename"]),
+    ("checkpointing_temporary_file_elsewhere", 3, ["onto path, from another folder"]),
 ])
 def test_the_checkpointing_hints_say_what_went_wrong_in_the_students_terms(name, check, hints, tmp_path):
     result = grading.run_check(checkpointing_checks.CHECKS[check], BY_NAME[name].write(tmp_path / name))
     assert not result.passed and all(hint in result.message for hint in hints), result.message
+
+
+def test_every_ranks_random_state_is_found_in_any_encoding(tmp_path):
+    """States saved as lists of ints (``.tolist()``) resume as well as tensors do: the per-rank check finds them."""
+    solution = (REPO / "solutions" / "09_checkpointing.py").read_text()
+    old = 'mine = {"rng": torch.get_rng_state(), "sampler": generator.get_state()}'
+    assert solution.count(old) == 1
+    path = tmp_path / "09_checkpointing.py"
+    path.write_text(solution.replace(old, 'mine = {"rng": torch.get_rng_state().tolist(), "sampler": '
+                                          'bytes(generator.get_state().tolist())}')
+                    .replace('torch.set_rng_state(mine["rng"])', 'torch.set_rng_state(torch.tensor(mine["rng"], '
+                                                                'dtype=torch.uint8))')
+                    .replace('generator.set_state(mine["sampler"])', 'generator.set_state(torch.tensor(list('
+                                                                    'mine["sampler"]), dtype=torch.uint8))'))
+    result = grading.run_check(checkpointing_checks.check_every_ranks_random_state, path)
+    assert result.passed, result.message
 
 
 def test_a_checkpoint_of_pickled_objects_is_refused_with_weights_only(tmp_path):
@@ -502,19 +632,103 @@ def test_a_checkpoint_of_pickled_objects_is_refused_with_weights_only(tmp_path):
         result.message
 
 
+def test_the_file_watcher_sees_writes_renames_and_fsyncs_whatever_names_they_were_made_through(tmp_path):
+    import types
+
+    import torch
+
+    from labkit.grading import files
+
+    student = types.ModuleType("student")  # names bound at import, before any watcher: torch's C++ writer, os's
+    exec("import os\nfrom os import fsync, replace\nfrom pathlib import Path\nfrom torch import save\n\n"
+         "def write(path, sync=fsync):\n    save({'a': 1}, path + '.tmp')\n"
+         "    with open(path + '.tmp', 'rb') as file:\n        sync(file.fileno())\n    replace(path + '.tmp', path)\n"
+         "    Path(path + '.log').write_bytes(b'x')\n    os.remove(path + '.log')\n", student.__dict__)
+    path, originals = os.path.realpath(tmp_path / "x.pt"), (student.fsync, student.write.__defaults__, os.fsync,
+                                                 torch.serialization._open_zipfile_writer_file.__init__.__code__)
+    with files.FolderEvents(str(tmp_path)) as seen, files.watching(student) as log:
+        student.write(path)
+    identity = (os.stat(path).st_dev, os.stat(path).st_ino)
+    assert log == [("write", path + ".tmp"), ("fsync", identity, False, files.state(os.stat(path))),
+                   ("rename", path + ".tmp", path),
+                   ("write", path + ".log"), ("remove", path + ".log")], log
+    assert log.touched(str(tmp_path)) == ["x.pt.tmp", "x.pt", "x.pt.log"]
+    assert (student.fsync, student.write.__defaults__, os.fsync,
+            torch.serialization._open_zipfile_writer_file.__init__.__code__) == originals  # all put back
+    if seen.events is not None:  # Linux: the kernel's record agrees, and x.pt itself was never written
+        assert [kind for name, kind, _ in seen.events if name == "x.pt"] == ["MOVED_TO"], seen.events
+    with files.watching(may_write=False) as log, pytest.raises(OSError):
+        with open(tmp_path / "y", "wb") as file:
+            file.write(b"any byte")
+            file.flush()
+    assert files.refused(log) and ("write", os.path.realpath(tmp_path / "y")) in log
+
+
+def test_the_kernel_record_alone_catches_a_checkpoint_written_in_place():
+    from labkit.grading import files
+    from labkit.grading.checkers import checkpoint_writes
+
+    path, nothing_logged = os.path.join(os.sep, "run", "checkpoint.pt"), files.Log()
+    assert checkpoint_writes._in_place(path, nothing_logged, [("checkpoint.pt", "CREATE", 0)]) == \
+        "the kernel saw path itself created"
+    renamed = [("checkpoint.pt.tmp", "CREATE", 0), ("checkpoint.pt.tmp", "MODIFY", 0),
+               ("checkpoint.pt.tmp", "CLOSE_WRITE", 0), ("checkpoint.pt.tmp", "MOVED_FROM", 7),
+               ("checkpoint.pt", "MOVED_TO", 7)]
+    assert checkpoint_writes._in_place(path, nothing_logged, renamed) is None
+
+
 @pytest.mark.parametrize("name, check, says", [
-    ("3d_labkit_mesh", 0, "used labkit.mesh.mesh_groups, labkit's own implementation"),
+    ("3d_labkit_mesh", 0, "used labkit.mesh.mesh_coordinates, labkit's own implementation"),
     ("3d_torch_device_mesh", 0, "used torch.distributed.device_mesh.DeviceMesh.__init__, a built-in"),
-    ("3d_dp_fastest", 1, "the TP group [0, 3, 6, 9] spans nodes [0, 1]"),
-    ("3d_tp_across_nodes", 1, "4 GPUs a node: the TP group [0, 4] spans nodes [0, 1]"),
-    ("3d_right_only_for_a_cube", 0, "world_size=24, dp=3, tp=4, pp=2: the TP groups hold rank(s) [3, 6, 9, 12, 15] "
-                                    "more than once"),
-    ("3d_picotron_grid", 2, "your DP groups include [0, 4], where Megatron's include [0, 2]")])
-def test_the_3d_checks_say_what_went_wrong_and_refuse_both_meshes(name, check, says, tmp_path):
-    """The layout's wrong answers fail for their own reason: the guard names labkit's and torch's meshes (not a
-    syntax error or a crash), and the hints name the group, the nodes or the ranks."""
+    ("3d_labkit_group_links", 2, "used labkit.viz.mesh_plots.group_links, labkit's own implementation"),
+    ("3d_outermost_first", 0, "In 'tp-dp-pp' tp is innermost: its coordinate is rank % 2"),
+    ("3d_wrong_radix", 0, "coordinates(3, {'tp': 4, 'dp': 3, 'pp': 2}, 'tp-dp-pp') returned"),
+    ("3d_grouped_by_own_coordinate", 1, "2 group(s) of sizes [4]; expected 4 groups of 2 ranks"),
+    ("3d_nodes_as_if_aligned", 2, "['pp'] is 1; expected 2, the nodes of the widest PP group, [3, 7]: nodes [0, 1]"),
+    ("3d_nodes_round_robin", 2, "on node r // 8"),
+    ("3d_nodes_counts_crossing_groups", 2, "['pp'] is 4; expected 2"),
+    ("3d_mutates_sizes", 0, "changed the sizes it was given (to {}): the caller's dict is not yours to change"),
+    ("3d_float_coordinates", 0, "returned {'tp': 0.0, 'dp': 0.0, 'pp': 0.0}: each coordinate is an int"),
+    ("3d_torch_mesh_layout", 1, "used torch.distributed._mesh_layout._FlatLayout.__init__, a built-in"),
+    ("3d_graders_reference", 0, "imported labkit.grading.checkers, the grader itself")])
+def test_the_3d_checks_say_what_went_wrong_and_refuse_labkits_and_torchs_layouts(name, check, says, tmp_path):
+    """Exercise 10's wrong answers fail for their own reason: the guard names labkit's layout (``labkit.mesh``,
+    ``group_links``) and torch's mesh (not a syntax error or a crash), and the hints name the rank, the group or
+    the nodes."""
     report = grading.check("3d_parallelism", directory=_wrong(name, tmp_path), verbose=False)
     assert says in report.checks[check].message, report.checks[check].message
+
+
+def test_the_3d_checks_try_uneven_nodes_a_fourth_dimension_and_every_order_they_name():
+    """The cases separate the rules a wrong answer might follow: a group of 3 ranks on nodes of 4 straddles two
+    nodes, a node size (3) divides neither the world nor the groups, a fourth dimension (cp) is laid out too, and
+    each of tp, dp and pp is innermost in some order."""
+    from labkit.grading.checkers import parallelism_3d as checks
+
+    assert 3 in checks.NODE_SIZES and any("cp" in sizes for sizes, _ in checks.CASES)
+    assert {order.split("-")[0] for _, order in checks.CASES} >= {"tp", "dp", "pp"}
+    straddling = [(sizes, order) for sizes, order in checks.CASES
+                  if any(len({rank // 4 for rank in group}) > len(group) // 4 + (len(group) % 4 > 0)
+                         for group in checks._reference_groups(sizes, order)["tp"])]
+    assert straddling, "no case where a TP group spans more nodes of 4 than its size needs"
+
+
+def test_the_3d_checks_take_any_collection_of_int_ranks_and_draw_cases_no_table_holds(tmp_path):
+    """Groups as tuples, sets or numpy ints are the right groups; the random cases always have ep, which none of
+    the fixed cases has, so a table of those cases cannot pass."""
+    from labkit.grading.checkers import parallelism_3d as checks
+
+    solution = (REPO / "solutions" / "10_3d_parallelism.py").read_text()
+    old = "    return {dim: list(by_others.values()) for dim, by_others in found.items()}\n"
+    assert solution.count(old) == 1
+    path = tmp_path / "10_3d_parallelism.py"
+    path.write_text(solution.replace(old, "    import numpy\n    kinds = (tuple, set, lambda g: [numpy.int64(r) for r in g])\n"
+                                          "    return {dim: [kinds[i % 3](g) for i, g in enumerate(by_others.values())]\n"
+                                          "            for dim, by_others in found.items()}\n"))
+    assert all(grading.run_check(check, path).passed for check in checks.CHECKS)
+    drawn = checks._cases()[len(checks.CASES):]
+    assert len(drawn) == 2 and all("ep" in sizes for sizes, _ in drawn)
+    assert not any("ep" in sizes for sizes, _ in checks.CASES)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -529,8 +743,12 @@ def test_the_planning_guard_refuses_labkits_step_model_planner_and_ring_costs_bu
     case = planning_checks.CASES[0]
     cluster = planner.Cluster(GPUS["A100 80GB"], 8)
     code = step.predict_step.__code__
+    from labkit.costmodel import stages, timeline
+
     calls = [lambda: step.predict_step(case.shape, case.layout, case.global_batch, case.hardware),
              lambda: step.stage_times(case.shape, case.layout, case.global_batch, case.hardware),
+             lambda: stages.chunk_costs(case.shape, case.layout, case.hardware),
+             lambda: timeline.place(timeline.compile_schedule("1f1b", 2, 2), [1.0, 1.0], [2.0, 2.0]),
              lambda: step.closed_form_makespan("1f1b", 4, 8, 1.0, 2.0),
              lambda: simulator.simulate_step(case.shape, case.layout, case.global_batch, case.hardware),
              lambda: planner.plan(case.shape, cluster, 8), lambda: collectives.ring_all_reduce_cost(64, 4),
@@ -563,6 +781,18 @@ def test_the_planning_cases_reach_every_regime_the_exercise_teaches():
     assert any(not case.dp_link_inside and case.hardware.gpus_per_node % case.layout.dp == 0 for case in cases)
     assert any(case.m < case.layout.pp for case in cases) and any(case.m > case.layout.pp > 1 for case in cases)
     assert len({case.v for case in cases}) >= 4
+    # each rule a link might be chosen by, told apart where the reduction is exposed: a DP group that fits in a
+    # node without dividing it (t d <= G), one that fills a node exactly (t d = G), a TP group of a node
+    exposed = [(case, case.layout.tp * case.layout.dp, case.hardware.gpus_per_node) for case in cases
+               if case.want["dp"] > 0]
+    assert sum(not case.dp_link_inside and span <= nodes for case, span, nodes in exposed) >= 3
+    assert sum(case.dp_link_inside and span == nodes for case, span, nodes in exposed) >= 1
+    assert sum(not case.dp_link_inside and nodes % case.layout.dp == 0 for case, _, nodes in exposed) >= 3
+    assert sum(case.layout.tp == case.hardware.gpus_per_node for case in cases) >= 3
+    assert sum(not case.tp_link_inside and case.layout.tp < case.hardware.gpus_per_node for case in cases) >= 4
+    # ZB-H1 where an input-gradient pass (B / 2, recomputing) outlasts a forward
+    assert sum(case.layout.schedule == "zb-h1" and case.want["backward"] > 2 * case.want["forward"]
+               for case in cases) >= 10
 
 
 def test_the_planning_worked_example_is_what_predict_step_gives_and_both_files_teach_it():
@@ -570,11 +800,14 @@ def test_the_planning_worked_example_is_what_predict_step_gives_and_both_files_t
     from labkit.costmodel.memory import TransformerShape
     from labkit.costmodel.step import Hardware, Layout, predict_step
 
-    step = predict_step(TransformerShape.preset("gpt2"), Layout(dp=4, tp=2, pp=2, micro_batch=2), 64,
-                        Hardware(1e14, LinkModel(5e-6, 1 / 300e9), LinkModel(1e-5, 1 / 25e9), gpus_per_node=4))
+    arguments = (TransformerShape.preset("gpt2"), Layout(dp=4, tp=2, pp=2, micro_batch=2), 64,
+                 Hardware(1e14, LinkModel(5e-6, 1 / 300e9), LinkModel(1e-5, 1 / 25e9), gpus_per_node=4))
+    step = predict_step(*arguments, head_on_last_stage=False)  # the balanced pipeline the exercise computes
     milliseconds = [f"{seconds * 1e3:.2f} ms" for seconds in (step.compute_s, step.tp_s, step.bubble_s, step.dp_s,
                                                              step.step_s - step.pp_send_s, step.pp_send_s)]
-    assert milliseconds == ["35.00 ms", "3.93 ms", "4.87 ms", "0.63 ms", "44.43 ms", "1.09 ms"]
+    assert milliseconds == ["35.00 ms", "3.93 ms", "4.87 ms", "0.63 ms", "44.43 ms", "0.58 ms"]
+    milliseconds.append(f"{predict_step(*arguments).step_s * 1e3:.2f} ms")  # the output layer on the last stage
+    assert milliseconds[-1] == "54.85 ms"
     assert (f"{step.forward_s * 1e3:.3f} ms", f"{step.backward_s * 1e3:.3f} ms") == ("1.704 ms", "3.162 ms")
     texts = [(REPO / folder / "11_planning.py").read_text() for folder in ("exercises", "solutions")]
     exercise, solution = (text[:text.index('"""', 3)] for text in texts)
@@ -608,6 +841,12 @@ def test_the_planning_worked_example_is_what_predict_step_gives_and_both_files_t
     ("planning_labkit_ring_cost", 3, ["used labkit.costmodel.collectives.ring_all_reduce_cost, labkit's own"]),
     ("planning_data_parallel_only", 0, ["tp=2", "the whole model's forward on one rank, as in plain data parallelism"]),
     ("planning_data_parallel_only", 4, ["your compute and tp differ from predict_step's"]),
+    ("planning_dp_link_by_size", 3, ["dp=3 tp=1 pp=4", "they span t d = 3 ranks, and the blocks of 3 ranks that "
+                                     "start at multiples of 3 do not all fit in nodes of 8"]),
+    ("planning_dp_link_strict", 3, ["which divides a node of", "stays inside one: intra-node link"]),
+    ("planning_tp_link_strict", 0, ["tp=3", "a TP group of t = 3 on nodes of 8 spans nodes"]),
+    ("planning_zb_h1_forward_only", 2, ["recompute zb-h1", "(p - 1) F holds only while a forward is at least as "
+                                        "long as an input-gradient pass (B / 2)"]),
 ])
 def test_the_planning_hints_name_the_case_the_formula_and_the_mistake(name, check, hints, tmp_path):
     result = grading.run_check(planning_checks.CHECKS[check], BY_NAME[name].write(tmp_path / name))

@@ -61,6 +61,58 @@ def test_tensor_and_pipeline_degrees_divide_model_states_and_leave_activations_a
     assert split["total"] == pytest.approx(sum(whole[name] for name in STATES) / 8 + 3e9, rel=1e-12)
 
 
+def test_zero_2_and_fsdp_hold_whole_gradients_while_a_step_accumulates_them():
+    """Lesson 10's defect: under gradient accumulation (a pipeline's m > 1) ZeRO-2 and FSDP partition gradients
+    only when the step's one reduce-scatter runs (labkit.parallel.parallelize, ZeroDataParallel and FSDP with
+    sync off; Megatron's distributed optimizer), so each rank holds them whole through the schedule: ZeRO-2
+    saves nothing on gradients over ZeRO-1, FSDP only its weights and optimizer states."""
+    one, two, three = (memory_per_rank(7.5e9, zero_stage=stage, dp_degree=64, accumulating=True)
+                       for stage in (1, 2, 3))
+    assert one == two and two["gradients"] == 15e9 and three["gradients"] == 15e9
+    assert three["weights"] == 15e9 / 64 and three["total"] == 15e9 + (15e9 + 90e9) / 64
+    assert memory_per_rank(7.5e9, zero_stage=2, dp_degree=64)["gradients"] == 15e9 / 64  # one micro-batch
+    whole = memory_per_rank(7.5e9, zero_stage=1, dp_degree=64, accumulating=True, gradient_bytes=4)
+    assert whole["gradients"] == 30e9  # fp32 accumulation (Megatron's main_grad, Llama 3)
+
+
+def test_the_peak_counts_lesson_04s_fp32_gradient_copy():
+    """Lesson 04 measures 20 bytes per parameter at a mixed-precision step's peak: the 16 between steps and the
+    optimizer's fp32 copy of the gradients, partitioned with the optimizer from ZeRO-1 on; gradients kept in fp32
+    need no copy (18 bytes)."""
+    assert memory_per_rank(1e9, peak=True)["total"] == 20e9
+    assert memory_per_rank(1e9, peak=True, gradient_bytes=4)["total"] == 18e9
+    assert memory_per_rank(1e9, "fp32", peak=True)["total"] == 16e9
+    sharded = memory_per_rank(1e9, zero_stage=1, dp_degree=4, peak=True)
+    assert sharded["gradients"] == 2e9 + 4e9 / 4 and sharded["total"] == 2e9 + 3e9 + 12e9 / 4
+
+
+def test_the_planner_counts_the_fullest_gpu_and_keeps_a_margin():
+    """planner.layout_memory: the first pipeline rank holds the embedding and p micro-batches in flight, the last
+    the output layer and one micro-batch's logits (bf16 and fp32); the fuller one is reported.  plan() keeps
+    10 % of the device free (Cluster.memory_margin)."""
+    from labkit.costmodel.compute import GPUS
+    from labkit.costmodel.planner import Cluster, held_microbatches, layout_memory, plan
+    from labkit.costmodel.stages import rank_parameters
+    from labkit.costmodel.step import Layout
+
+    shape = TransformerShape.preset("llama-2-70b")
+    layout = Layout(dp=2, tp=8, pp=4, zero=2)
+    memory = layout_memory(shape, layout, 64)
+    first = rank_parameters(shape, layout)[0] / 8
+    options = {"tp_degree": 8, "sequence_parallel": True, "flash_attention": True}
+    activations = 4 * activation_bytes(shape, 1, layers=20, **options)
+    assert memory["activations"] == pytest.approx(activations, rel=1e-12)
+    assert memory["weights"] == 2 * first and memory["gradients"] == (2 + 4 / 2) * first  # whole: m = 32
+    assert [held_microbatches(layout, 32, rank) for rank in range(4)] == [4, 3, 2, 1]
+    interleaved = dataclasses.replace(layout, schedule="interleaved", virtual_stages=5)
+    assert held_microbatches(interleaved, 32, 0) == (4 * 4 + 2 * 3 + 1) / 5  # Megatron's warm-up
+    cluster = Cluster(GPUS["H100 80GB"], 8, 0.5)
+    assert cluster.usable_bytes == 72e9
+    result = plan(TransformerShape.preset("gpt2-xl"), cluster, 64, top=3)
+    assert all(candidate.memory["total"] <= 72e9 for candidate in result.candidates)
+    assert result.usable_bytes == 72e9
+
+
 @pytest.mark.parametrize("arguments,named", [
     ({"num_parameters": -1}, "num_parameters"), ({"num_parameters": float("nan")}, "num_parameters"),
     ({"zero_stage": 4}, "zero_stage"), ({"zero_stage": True}, "zero_stage"), ({"dp_degree": 0}, "dp_degree"),

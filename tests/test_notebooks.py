@@ -68,3 +68,35 @@ def test_cells_that_run_the_exercise_are_friendly_and_tagged_for_nbval(notebook)
         if re.search(r"\bexercise\.\w+\(", source):
             assert "grading.trying(" in source, (
                 f"{notebook.name}: wrap the exercise's calls in `with grading.trying(...)`:\n{source[:200]}")
+
+
+def _parsed(source: str):
+    import ast
+
+    # IPython's magics and shell escapes are not Python: blank them out before parsing.
+    lines = ["" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines()]
+    return ast.parse("\n".join(lines))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_claim_goes_through_labkit_claims_and_none_is_stored_missed(notebook):
+    """labkit/claims.py: no bare assert (a measured one would abort a learner's Run All; a computed one prints
+    nothing the text can point to); at least one claim; no stored output that records a missed claim."""
+    import ast
+
+    claims_made = 0
+    for index, cell in enumerate(_code_cells(notebook)):
+        source = "".join(cell["source"])
+        tree = _parsed(source)
+        asserts = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+        assert not asserts, (f"{notebook.name}, code cell {index}: a bare assert (line {asserts[0]}); state the claim "
+                             "with labkit.claims (exact/close/holds, or measured/measured_holds with a cited band)")
+        claims_made += sum(1 for node in ast.walk(tree) if isinstance(node, ast.Call)
+                           and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                           and node.func.value.id == "claims")
+        if IGNORE in cell.get("metadata", {}).get("tags", []):
+            continue
+        for output in cell.get("outputs", []):
+            missed = [line for line in _text(output).splitlines() if line.startswith("✗ ")]
+            assert not missed, f"{notebook.name}, code cell {index} stores a missed claim: {missed[0]}"
+    assert claims_made, f"{notebook.name} states no claim through labkit.claims"

@@ -3,8 +3,11 @@ per rank, and the explorer that composes them."""
 
 from __future__ import annotations
 
+import itertools
+
 import ipywidgets
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from labkit.parallel.pipeline import (
@@ -74,7 +77,7 @@ def test_timeline_draws_each_action_where_it_ran_with_its_micro_batch_written_in
     legend = _legend(axis)
     assert [entry for entry in legend if entry[1] == ":"] == [pipeline_plots.KIND_NAMES[k] for k in "FBIW"
                                                              if k in kinds]
-    assert "idle (bubble)" in legend and axis.get_xlabel() == "time (slots)"
+    assert "idle (bubble)" in legend and axis.get_xlabel() == "time (units)"
     idle = [c for c in axis.collections if c.get_gid() == "idle"]
     assert len(idle) == p and all(c.get_paths()[0].vertices[:, 0].max() == timeline.total for c in idle)
     title = axis.get_title()
@@ -91,7 +94,7 @@ def test_timeline_colours_kinds_apart_and_shows_an_interleaved_ranks_second_chun
     assert first and second and all(c.get_hatch() == "" for c in first) and all(c.get_hatch() for c in second)
     assert tuple(second[0].get_facecolor()[0][:3]) > tuple(first[0].get_facecolor()[0][:3])  # lighter
     assert _boxes(axis, "F chunk 1") and all(box[0] >= 1 for box in _boxes(axis, "F chunk 1"))  # after stage 0
-    assert any(entry.startswith("chunk 1 (stages 2–3)") and "lighter, hatched" in entry for entry in _legend(axis))
+    assert "chunk 1: stages 2–3" in _legend(axis)
     assert not any(entry.startswith("chunk") for entry in _legend(pipeline_plots.plot_timeline(simulate(
         one_f_one_b(2, 4)))))
 
@@ -131,7 +134,7 @@ def test_timelines_stack_over_one_time_axis():
     assert len(figure.axes) == 4
     assert len({axis.get_xlim() for axis in figure.axes}) == 1
     assert figure.axes[0].get_xlim()[1] == max(timeline.total for timeline in timelines)
-    assert [axis.get_xlabel() for axis in figure.axes] == ["", "", "", "time (slots)"]
+    assert [axis.get_xlabel() for axis in figure.axes] == ["", "", "", "time (units)"]
     assert [axis.get_title().split(":")[0] for axis in figure.axes] == list(SCHEDULES)
     compared = pipeline_plots.plot_timelines([simulate(one_f_one_b(2, 2), 2e-3, 4e-3), _measured()],
                                              titles=["simulated", "measured"], time_unit="s")
@@ -233,8 +236,9 @@ def _record_figures(monkeypatch) -> list[Figure]:
 
 
 def _series(figure: Figure) -> dict[str, list[float]]:
-    """The bubble panel's lines and markers, by label."""
-    return {line.get_label(): list(line.get_ydata()) for line in figure.axes[1].lines}
+    """The bubble panel's lines and markers, by series (a schedule's markers carry its name as gid, its legend
+    label may carry a note under it)."""
+    return {line.get_gid() or line.get_label(): list(line.get_ydata()) for line in figure.axes[1].lines}
 
 
 def test_v_and_w_move_the_bubble_panel_even_when_the_chosen_schedule_ignores_them(monkeypatch):
@@ -242,12 +246,12 @@ def test_v_and_w_move_the_bubble_panel_even_when_the_chosen_schedule_ignores_the
     explorer = pipeline_widgets.pipeline_explorer(schedule="1F1B", p=4, m=8, v=2)
     controls = {control.description: control for control in explorer_controls(explorer)}
     timeline_boxes, before = _boxes(drawn[-1].axes[0]), _series(drawn[-1])
-    controls["chunks v (interleaved)"].value = 3
+    controls["v (interleaved)"].value = 3
     after = _series(drawn[-1])
     assert _boxes(drawn[-1].axes[0]) == timeline_boxes  # 1F1B's timeline does not read v
     assert "(p−1)/(vm+p−1), v = 3" in after and after["Interleaved 1F1B"] != before["Interleaved 1F1B"]
     assert after["ZB-H1"] == before["ZB-H1"]
-    controls["W of B, ZB-H1 (ms)"].value = 0.5
+    controls["ZB-H1's W (ms)"].value = 0.5
     assert _boxes(drawn[-1].axes[0]) == timeline_boxes  # nor W
     assert _series(drawn[-1])["ZB-H1"] != after["ZB-H1"] and _series(drawn[-1])["1F1B"] == after["1F1B"]
 
@@ -265,8 +269,8 @@ def test_pipeline_explorer_shows_the_librarys_message_for_an_invalid_combination
     assert any(text.get_text().startswith("ValueError: ") and message in text.get_text().replace("\n", " ")
                for text in drawn[-1].axes[0].texts)
     controls["ranks p"].value, controls["schedule"].value = 4, "ZB-H1"
-    controls["W of B, ZB-H1 (ms)"].value = 3.0  # longer than B = 2 ms
-    assert "must not exceed backward_s" in summary.value
+    controls["ZB-H1's W (ms)"].value = 3.0  # longer than B = 2 ms
+    assert "W = 3 ms cannot exceed B = 2 ms" in summary.value
     controls["backward B (ms)"].value = 4.0
     assert "cannot run" not in summary.value and "exact when F = I = W" in summary.value
 
@@ -277,3 +281,119 @@ def test_explorer_gives_an_interleaved_chunk_one_vth_of_the_work():
     assert interleaved.busy == pytest.approx(plain.busy) and interleaved.schedule.v == 3
     assert interleaved.bubble_fraction < plain.bubble_fraction
     assert pipeline_widgets.simulate_schedule("GPipe", 2, 4, 3, 1.0, 2.0, 5.0).schedule.v == 1  # v, W unread
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Readable at every setting: no colliding tick labels, nothing outside the figure, no schedule missing unsaid
+
+
+def _collisions(figure: Figure) -> list[str]:
+    """Every pair of tick labels of one axis that overlap, and every legend or tick label that leaves the
+    figure, as drawn (Agg)."""
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    found = []
+    whole = figure.bbox
+    for index, axis in enumerate(figure.axes):
+        for name, ticks, limits in (("x", axis.xaxis.get_major_ticks(), axis.get_xlim()),
+                                    ("y", axis.yaxis.get_major_ticks(), axis.get_ylim())):
+            low, high = sorted(limits)
+            shown = [(tick.label1.get_text(), tick.label1.get_window_extent(renderer)) for tick in ticks
+                     if tick.label1.get_visible() and tick.label1.get_text()
+                     and low <= tick.get_loc() <= high]  # those matplotlib draws
+            for (text_a, a), (text_b, b) in itertools.combinations(shown, 2):
+                if a.overlaps(b):
+                    found.append(f"axes {index}: {name} tick labels {text_a!r} and {text_b!r} overlap")
+            found += [f"axes {index}: {name} tick label {text!r} leaves the figure" for text, box in shown
+                      if box.x0 < whole.x0 - 1 or box.x1 > whole.x1 + 1]
+        legend = axis.get_legend()
+        if legend is not None and legend.get_window_extent(renderer).x1 > whole.x1 + 1:
+            found.append(f"axes {index}: its legend leaves the figure")
+    for legend in figure.legends:
+        box = legend.get_window_extent(renderer)
+        if box.x0 < whole.x0 - 1 or box.x1 > whole.x1 + 1 or box.y1 > whole.y1 + 1:
+            found.append("the figure's legend leaves it")
+    return found
+
+
+def test_stacked_timelines_at_p_8_interleaved_are_readable():
+    p, m = 8, 8
+    timelines = [simulate(gpipe(p, m), 0.03, 0.06), simulate(one_f_one_b(p, m), 0.03, 0.06),
+                 simulate(interleaved_1f1b(p, m, 2), 0.015, 0.03), simulate(zb_h1(p, m), 0.03, 0.06, 0.03)]
+    figure = pipeline_plots.plot_timelines(timelines, time_unit="s")
+    assert _collisions(figure) == []
+    assert all(axis.get_legend() is None for axis in figure.axes) and len(figure.legends) == 1  # one legend above
+    entries = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert entries[:4] == [pipeline_plots.KIND_NAMES[kind] for kind in "FBIW"] and entries[-1] == "idle (bubble)"
+    assert "chunk 1: stages 8–15" in entries
+    interleaved = figure.axes[2]
+    sizes = [text.get_fontsize() for text in interleaved.texts if text.get_gid() == "microbatch"]
+    assert len(sizes) == sum(len(row) for row in timelines[2].events)  # every box numbered, none unreadably small
+    assert min(sizes) >= pipeline_plots.LABEL_MIN_POINTS
+    hatched = [c for c in interleaved.collections if (c.get_gid() or "").endswith("chunk 1")]
+    assert hatched and all(tuple(c.get_hatchcolor()[0][:3]) != (0.0, 0.0, 0.0) for c in hatched)  # not black
+
+
+def test_rank_labels_drop_to_one_line_when_two_would_collide():
+    tall = pipeline_plots.plot_timeline(simulate(interleaved_1f1b(2, 4, 2)))
+    assert [tick.get_text() for tick in tall.get_yticklabels()] == ["rank 1\nstages 1, 3", "rank 0\nstages 0, 2"]
+    squat = Figure(figsize=(11, 2.5)).subplots()
+    squat.figure.subplots_adjust(right=0.75)  # room for the legend
+    pipeline_plots.plot_timeline(simulate(interleaved_1f1b(8, 8, 2)), ax=squat)
+    assert [tick.get_text() for tick in squat.get_yticklabels()] == [f"rank {r}" for r in reversed(range(8))]
+    assert _collisions(squat.figure) == []
+
+
+# Every schedule at the largest p, m and v, the tightest timelines; m beside other labelled m's (p = 7, m = 31:
+# 28, 31 and 32 on the log axis); m < p; an interleaved m that p does not divide.
+EXPLORER_SETTINGS = [(name, p, m, v) for name in ("GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1")
+                     for p, m, v in ((8, 32, 4), (8, 8, 2), (7, 31, 3))] + [("1F1B", 2, 1, 1),
+                                                                              ("Interleaved 1F1B", 8, 3, 2)]
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), EXPLORER_SETTINGS)
+def test_explorer_figure_has_no_colliding_labels_at_any_setting(name, p, m, v):
+    figure, _ = pipeline_widgets.explore(name, p, m, v, 4.0, 8.0, 4.0)  # the longest durations: widest labels
+    assert _collisions(figure) == []
+    ticks = [int(tick.get_text()) for tick in figure.axes[1].get_xticklabels()]
+    assert {1, 32} <= set(ticks) and len(ticks) >= 5  # the ends of the m axis, and the octaves between
+    assert any(text.get_gid() == "mark" and text.get_text().strip() == f"m = {m}" for text in figure.axes[1].texts)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1"])
+def test_zb_h1_is_never_silently_absent_when_w_exceeds_b(monkeypatch, schedule):
+    drawn = _record_figures(monkeypatch)
+    explorer = pipeline_widgets.pipeline_explorer(schedule=schedule, p=4, m=8, backward_ms=1.0, weight_ms=1.0)
+    legend = " ".join(_legend(drawn[-1].axes[1]))
+    assert "ZB-H1" in legend and "W > B" not in legend and _series(drawn[-1])["ZB-H1"]
+    controls = {control.description: control for control in explorer_controls(explorer)}
+    controls["ZB-H1's W (ms)"].value = 1.5
+    legend = _legend(drawn[-1].axes[1])
+    assert "ZB-H1\n(none: W > B)" in legend and _series(drawn[-1])["ZB-H1"] == []
+    assert "Interleaved 1F1B\n(only where p = 4 divides m)" in legend
+    if schedule == "ZB-H1":  # the chosen schedule: the reason in the timeline's place and in the summary
+        message = "W = 1.5 ms cannot exceed B = 1 ms"
+        assert message in explorer.children[1].value
+        assert any(message in text.get_text().replace("\n", " ") for text in drawn[-1].axes[0].texts)
+    else:
+        assert "cannot run" not in explorer.children[1].value
+
+
+def test_explorer_sliders_have_room_for_a_track():
+    explorer = pipeline_widgets.pipeline_explorer()
+    sliders = [control for control in explorer_controls(explorer) if isinstance(control, ipywidgets.widgets.
+                                                                                  widget_int._Int | ipywidgets.FloatSlider)]
+    assert len(sliders) == 6
+    for slider in sliders:
+        description = int(slider.style.description_width.removesuffix("ch"))
+        total = int(slider.layout.width.removesuffix("ch"))
+        assert total - description - 8 >= pipeline_widgets.SLIDER_TRACK >= 20  # ch for the track, past the readout
+
+
+@pytest.mark.parametrize(("m", "at_top"), [(1, False), (3, False), (32, True)])
+def test_the_chosen_m_is_written_where_the_bubble_markers_are_not(m, at_top):
+    # The bubble falls with m: the markers crowd the top on the left and the bottom on the right.
+    figure, _ = pipeline_widgets.explore("GPipe", 2, m, 1, 4.0, 0.25, 0.0)
+    (mark,) = [text for text in figure.axes[1].texts if text.get_gid() == "mark"]
+    assert (mark.get_position()[1] > 0.5) == at_top and mark.get_va() == ("top" if at_top else "bottom")

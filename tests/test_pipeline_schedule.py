@@ -11,15 +11,18 @@ import pytest
 from labkit.parallel.pipeline import (
     Action,
     Schedule,
+    Timeline,
     from_csv,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    replay,
     simulate,
     to_csv,
     validate,
     zb_h1,
 )
+from labkit.parallel.pipeline.schedule import _execute
 
 SIZES = [(1, 1), (1, 3), (2, 2), (2, 5), (3, 3), (4, 8), (4, 2), (5, 7)]
 INTERLEAVED = [(1, 3, 2), (2, 2, 4), (2, 4, 2), (3, 6, 2), (4, 4, 3), (4, 8, 2), (4, 4, 1)]
@@ -95,6 +98,26 @@ def test_simulate_adds_send_latency_and_per_stage_durations():
         simulate(gpipe(2, 3), forward_s=[1, 2, 3])
     with pytest.raises(ValueError, match="weight_s"):
         simulate(zb_h1(2, 3), backward_s=2, weight_s=3)
+
+
+@pytest.mark.parametrize("schedule", [gpipe(3, 4), one_f_one_b(4, 8), zb_h1(3, 5), interleaved_1f1b(2, 4, 2)],
+                         ids=lambda schedule: schedule.name)
+def test_replay_places_each_action_with_its_own_duration(schedule):
+    simulated = simulate(schedule, Fraction(1), Fraction(2))
+    assert replay(simulated) == simulated  # a simulated timeline replays to itself
+    # A runtime's timeline: micro-batch 1's backward slow on every stage, and every message half a unit late.
+    # The replay keeps each action's duration and drops the time between actions.
+    def duration(action):
+        return {"F": 1, "B": 2, "I": 1, "W": 1}[action.kind] + (3 if action.kind in "BI" and action.microbatch == 1
+                                                               else 0)
+    events = _execute(schedule, duration, send_s=Fraction(1, 2))
+    late = Timeline(schedule, events, max(row[-1][1] for row in events), simulated.peak_activations)
+    again = replay(late)
+    assert again.busy == late.busy and again.total < late.total and again.bubble_fraction < late.bubble_fraction
+    assert again.total >= simulated.total + 3  # the slow backwards are kept, and whatever waits on them waits
+    assert again.events == _execute(schedule, duration) and replay(late, send_s=Fraction(1, 2)) == late
+    with pytest.raises(ValueError, match="no duration for"):
+        replay(Timeline(schedule, [row[:-1] for row in simulated.events], simulated.total, [0]))
 
 
 def test_to_text_prints_one_row_per_rank_with_idle_dots():

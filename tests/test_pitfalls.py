@@ -7,7 +7,7 @@ import torch
 import torch.distributed as torch_dist
 
 from labkit import pitfalls
-from labkit.launch import launch
+from labkit.launch import RankFailed, launch
 from labkit.models import MLPConfig, TinyMLP
 
 CONFIG = MLPConfig(in_features=8, hidden_sizes=(16,), num_classes=3)
@@ -48,12 +48,24 @@ def test_averaging_over_more_ranks_changes_the_last_bits_but_one_rank_is_itself(
         pitfalls.reduction_order_gaps(per_sample, [2, 5, 0])
 
 
-def _write(path: str, atomic: bool) -> dict:
-    return pitfalls.write_from_every_rank(path, size=1 << 16, atomic=atomic)
+def _save(path: str, how: str) -> dict:
+    return pitfalls.save_from_every_rank(path, how, size=1 << 16)
 
 
-def test_every_rank_writing_one_file_leaves_one_ranks_bytes_or_a_mixture(tmp_path):
-    for found in launch(_write, str(tmp_path / "atomic.pt"), True, nprocs=3, rank_output="none"):
-        assert found["size"] == 1 << 16 and len(found["ranks"]) == 1  # the last rename wins, whole
-    for found in launch(_write, str(tmp_path / "racy.pt"), False, nprocs=3, rank_output="none"):
-        assert found["size"] == 1 << 16 and set(found["ranks"]) <= {0, 1, 2}
+def test_every_rank_saving_one_path_keeps_one_ranks_state_at_most_and_gathering_keeps_all(tmp_path):
+    for how, expected_holds in (("in place", None), ("through a rename", 1), ("gathered to rank 0", 3)):
+        found = launch(_save, str(tmp_path / f"{how}.pt"), how, nprocs=3, rank_output="none")
+        reads = [one.pop("read") for one in found]  # what each rank took back as its own state
+        assert all(one == found[0] for one in found)  # every rank read the same file
+        assert found[0]["returned"] == [0, 1, 2]  # every rank's save returned, without an error
+        if expected_holds is None:  # in place: one rank's whole state, or a torn file
+            assert len(found[0]["holds"]) <= 1 and (found[0]["torn"] or len(found[0]["holds"]) == 1)
+        else:
+            assert len(found[0]["holds"]) == expected_holds and not found[0]["torn"]
+        if how == "through a rename":  # every rank reads the one survivor's state: the other two, not their own
+            assert reads == found[0]["holds"] * 3 and sum(read != rank for rank, read in enumerate(reads)) == 2
+        elif expected_holds is None:
+            assert reads == (found[0]["holds"] * 3 if found[0]["holds"] else [None] * 3)
+    assert found[0]["holds"] == [0, 1, 2] and reads == [0, 1, 2]  # gathered: every rank reads its own back
+    with pytest.raises(RankFailed, match="how must be one of"):
+        launch(pitfalls.save_from_every_rank, str(tmp_path / "x.pt"), "twice", nprocs=2, rank_output="none")

@@ -54,6 +54,8 @@ def test_plot_plan_stacks_each_candidates_memory_in_gb_and_its_step_by_term(gpt2
     assert [label.get_text() for label in memory_axis.get_yticklabels()] == [row.layout.label() for row in rows]
     (line,) = [line for line in memory_axis.lines if line.get_gid() == "device memory"]
     assert line.get_xdata()[0] == pytest.approx(80.0)
+    (usable,) = [line for line in memory_axis.lines if line.get_gid() == "usable memory"]  # the margin kept
+    assert usable.get_xdata()[0] == pytest.approx(72.0)
     assert memory_axis.get_xlabel() == "memory per GPU (GB)"
     assert time_axis.get_xlabel() == "predicted time per step (s)"
     texts = [text.get_text() for text in time_axis.texts]
@@ -182,15 +184,15 @@ def test_the_plan_explorer_redraws_on_release_for_every_control():
 def test_the_plan_explorer_shows_the_planners_result_and_why_nothing_fits():
     import ipywidgets
 
-    from labkit.costmodel.published import EFFICIENCY
-    from labkit.viz.plan_widgets import CHOICES, TOP, plan_explorer
+    from labkit.costmodel.validation import EFFICIENCY
+    from labkit.viz.plan_widgets import CHOICES, RUN_AS, TOP, plan_explorer
     from labkit.viz.plots import figure_to_png
 
     explorer = plan_explorer(model="gpt2", device="A100 80GB", gpus=64, global_batch=512, seq_len=1024)
     summary = next(child for child in explorer.children if isinstance(child, ipywidgets.HTML))
     picture = next(child for child in explorer.children if isinstance(child, ipywidgets.Image))
     result = plan(TransformerShape.preset("gpt2"), Cluster(GPUS["A100 80GB"], 64, EFFICIENCY), 512, top=TOP,
-                  **CHOICES)
+                  **CHOICES, **RUN_AS)
     assert result.best.layout.label() in summary.value and result.reason() in summary.value
     title = ("gpt2, 512 sequences of 1024 tokens a step, on 64 A100 80GB GPUs: the fastest layouts that fit "
              f"(matrices at {EFFICIENCY:.0%} of peak)")

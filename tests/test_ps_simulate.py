@@ -2,8 +2,10 @@
 model (``labkit.costmodel.stragglers``) held to it, and the plots and explorer (``labkit.viz.ps_plots``).
 
 The simulator runs the server's own rule (``Gate``): with no delay its times are exact (a synchronous update is
-compute + 2 messages; equal asynchronous workers settle at staleness N - 1); SSP never passes its bound; backup
-workers make each update from the first N - b.  The closed forms are then held to a Monte Carlo of 2000 updates.
+compute + 2 messages; equal asynchronous workers settle at staleness N - 1); SSP keeps every worker within s clocks
+of the slowest and, with a persistent straggler, goes at its pace (the closed form), while with random delays it
+is nearly as fast as async; the bounded delay never passes tau; backup workers make each update from the first N -
+b.  The closed forms are then held to a Monte Carlo of 2000 updates.
 No process is launched.
 """
 
@@ -20,11 +22,13 @@ from matplotlib.figure import Figure
 
 from labkit.costmodel import stragglers as model
 from labkit.parallel.parameter_server import ParameterServerRun, Received, Stragglers
+from labkit.parallel.ps_simulate import clock_gap
 from labkit.parallel.ps_simulate import simulate_parameter_server as simulate
 from labkit.viz import ps_plots
 from tests.conftest import check_every_control_redraws, explorer_controls
 
-OPTIONS = {"sync": {}, "async": {}, "ssp": {"staleness_bound": 2}, "backup": {"backup_workers": 1}}
+OPTIONS = {"sync": {}, "async": {}, "ssp": {"staleness_bound": 2}, "bounded_delay": {"max_delay": 2},
+           "backup": {"backup_workers": 1}}
 
 
 def _records_match_computes(timeline) -> None:
@@ -65,15 +69,39 @@ def test_async_with_equal_workers_settles_at_staleness_n_minus_one_and_ignores_a
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_ssp_is_never_staler_than_its_bound_and_reaches_it(seed):
+def test_the_bounded_delay_is_never_staler_than_tau_and_reaches_it(seed):
     delays = Stragglers(exponential_mean_s=0.5, seed=seed)
-    for bound in (0, 1, 3):
-        timeline = simulate("ssp", 4, 300, compute_s=1.0, staleness_bound=bound, stragglers=delays)
-        assert max(timeline.staleness()) == bound  # never above, and the bound is what binds
+    for tau in (0, 1, 3):
+        timeline = simulate("bounded_delay", 4, 300, compute_s=1.0, max_delay=tau, stragglers=delays)
+        assert max(timeline.staleness()) == tau  # never above, and the bound is what binds
         _records_match_computes(timeline)
-    assert simulate("ssp", 4, 50, staleness_bound=0, stragglers=delays).received == \
-        simulate("sync", 4, 50, stragglers=delays).received  # s = 0 is sync, gradient for gradient
+    assert simulate("bounded_delay", 4, 50, max_delay=0, stragglers=delays).received == \
+        simulate("sync", 4, 50, stragglers=delays).received  # tau = 0 is sync, gradient for gradient
     assert max(simulate("async", 4, 300, stragglers=delays).staleness()) > 3  # what the bound prevents
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ssp_keeps_every_worker_within_s_clocks_and_a_persistent_straggler_sets_the_pace(seed):
+    delays = Stragglers(slow={3: 1.5}, exponential_mean_s=0.5, seed=seed)
+    for s in (0, 1, 3):
+        timeline = simulate("ssp", 4, 400, compute_s=1.0, message_s=0.1, staleness_bound=s, stragglers=delays)
+        assert clock_gap(timeline.received, 4) == s  # never more, and the slow worker makes it bind
+        assert max(timeline.staleness()) > s  # a bound on clocks, not on staleness
+        _records_match_computes(timeline)
+        counts = Counter(r.worker for r in timeline.applied)
+        assert max(counts.values()) - min(counts.values()) <= s + 1
+    fixed = Stragglers(slow={3: 1.5})
+    pace = model.throughput("ssp", 4, 1.0, 0.1, slow_s=1.5).seconds_per_update  # (1.2 + 1.5) / 4
+    assert pace == pytest.approx(2.7 / 4)
+    for s in (0, 2):
+        timeline = simulate("ssp", 4, 2000, compute_s=1.0, message_s=0.1, staleness_bound=s, stragglers=fixed)
+        assert timeline.seconds_per_update == pytest.approx(pace, rel=0.01)  # as slow as sync, per gradient
+    random_delays = Stragglers(exponential_mean_s=0.5, seed=seed)  # transient stragglers: ssp absorbs most
+    ssp = [simulate("ssp", 4, 2000, compute_s=1.0, staleness_bound=s, stragglers=random_delays).seconds_per_update
+           for s in (1, 3)]
+    asynchronous = simulate("async", 4, 2000, compute_s=1.0, stragglers=random_delays).seconds_per_update
+    sync = model.sync_update_s(4, 1.0, exponential_mean_s=0.5) / 4  # per gradient
+    assert asynchronous < ssp[1] < ssp[0] < (asynchronous + sync) / 2
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -151,7 +179,8 @@ def test_backup_formula_is_a_lower_bound_when_late_workers_finish_first():
 
 
 def test_model_modes_and_bad_inputs():
-    assert model.throughput("ssp", 4, 1.0) is None
+    assert model.throughput("bounded_delay", 4, 1.0) is None and model.throughput("ssp", 4, 1.0, 0, 0.5) is None
+    assert model.throughput("ssp", 4, 1.0).seconds_per_update == 0.25  # equal workers: async's rate
     backup = model.throughput("backup", 4, 1.0, exponential_mean_s=0.5, backup_workers=1)
     assert backup.gradients_per_update == 3 and backup.gradients_per_s == pytest.approx(3 / backup.seconds_per_update)
     assert model.throughput("async", 4, 1.0).updates_per_s == pytest.approx(4.0)
@@ -178,6 +207,9 @@ def test_model_modes_and_bad_inputs():
     ({"message_s": "fast"}, "message_s"),
     ({"mode": "ssp"}, "staleness_bound"),
     ({"mode": "ssp", "staleness_bound": -1}, "staleness_bound must be an integer >= 0"),
+    ({"mode": "bounded_delay"}, "max_delay belongs to mode='bounded_delay'"),
+    ({"mode": "bounded_delay", "max_delay": -1}, "max_delay must be an integer >= 0"),
+    ({"max_delay": 2}, "max_delay belongs to mode='bounded_delay'"),
     ({"backup_workers": 1}, "backup_workers belongs to mode='backup'"),
     ({"mode": "backup", "backup_workers": 4}, r"backup_workers must be an integer in \[0, 4\)"),
     ({"stragglers": Stragglers(slow={4: 0.1})}, r"names workers \[4\], but the workers are 0..3"),
@@ -233,7 +265,13 @@ def test_staleness_histogram_puts_measured_beside_simulated_and_the_model():
     assert [bar.get_height() for bar in simulated] == [12.5, 12.5, 12.5, 62.5]
     assert measured[3].get_x() < simulated[3].get_x()  # side by side
     legend = [text.get_text() for text in axis.get_legend().get_texts()]
-    assert legend == ["model mean 3", "bound s = 3", "measured (mean 2.75)", "simulated (mean 2.25)"]
+    assert legend == ["model mean 3", "bound τ = 3", "measured (mean 2.75)", "simulated (mean 2.25)"]
+    assert [tick.get_text() for tick in axis.get_xticklabels()] == ["0", "1", "2", "3"]
+    synchronous = ps_plots.plot_staleness({"simulated": [0] * 40}, model_mean=0)  # one bar: ticks stay integers
+    assert [tick.get_text() for tick in synchronous.get_xticklabels()] == ["0", "1"]
+    assert synchronous.get_xlim() == pytest.approx((-0.6, 1.6))
+    long_tail = ps_plots.plot_staleness({"measured": list(range(30))})
+    assert len(long_tail.get_xticks()) <= 13 and all(tick == int(tick) for tick in long_tail.get_xticks())
     assert "%" in axis.get_ylabel() and "updates" in axis.get_xlabel()
     with pytest.raises(ValueError, match="staleness"):
         ps_plots.plot_staleness({"measured": []})
@@ -267,18 +305,19 @@ def test_loss_curves_read_a_launched_runs_records_against_updates_and_seconds():
 
 
 def test_seconds_per_update_sets_each_simulated_mode_beside_its_closed_form():
-    simulated = {ps_plots.describe(mode, 4, 1, 2): simulate(mode, 4, 20, compute_s=0.01, **OPTIONS[mode])
+    simulated = {ps_plots.describe(mode, 4, 1, 2, 2): simulate(mode, 4, 20, compute_s=0.01, **OPTIONS[mode])
                  for mode in OPTIONS}
     models = {label: model.throughput(t.mode, 4, 0.01, backup_workers=t.backup_workers)
               for label, t in simulated.items()}
     axis = ps_plots.plot_seconds_per_update(simulated, models)
     heights = [container[0].get_height() for container in axis.containers]
-    ssp = 1e3 * simulated["ssp: N = 4, s = 2"].seconds_per_update
-    assert heights == pytest.approx([10, 10, 2.5, 2.5, ssp, 10, 10]) and 2.5 < ssp < 10  # ssp has no model bar
-    assert any("no closed form" in text.get_text() for text in axis.texts)
-    assert axis.get_ylabel() == "wall-clock per update (ms)"
+    bounded = 1e3 * simulated["bounded_delay: N = 4, τ = 2"].seconds_per_update
+    assert heights == pytest.approx([10, 10, 2.5, 2.5, 2.5, 2.5, bounded, 10, 10]) and 2.5 < bounded < 10
+    assert sum("no closed form" in text.get_text() for text in axis.texts) == 1  # the bounded delay's
+    assert axis.get_ylabel() == "wall-clock per update (ms)" and "(ms)" in axis.get_title()
     assert [text.get_text() for text in axis.get_legend().get_texts()] == ["simulated", "model (closed form)"]
-    assert [tick.get_text() for tick in axis.get_xticklabels()][3] == "backup: N =\n4, b = 1"
+    assert [tick.get_text() for tick in axis.get_xticklabels()][3:] == ["bounded_delay:\nN = 4, τ = 2",
+                                                                        "backup: N =\n4, b = 1"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -293,13 +332,13 @@ def _move(control) -> None:
             else control.value - control.step
 
 
-@pytest.mark.parametrize("mode", ["sync", "ssp"])
+@pytest.mark.parametrize("mode", ["sync", "bounded_delay"])
 def test_ps_explorer_redraws_on_release_for_every_control(mode):
-    # 7 controls: mode, N, b, s, straggler kind, straggler delay, message time
-    check_every_control_redraws(ps_plots.ps_explorer(mode=mode, updates=60), 7, _move)
+    # 8 controls: mode, N, b, s, tau, straggler kind, straggler delay, message time
+    check_every_control_redraws(ps_plots.ps_explorer(mode=mode, updates=60), 8, _move)
 
 
-def test_explorer_moves_the_backup_and_ssp_bars_whatever_the_mode_and_shows_bad_combinations(monkeypatch):
+def test_explorer_moves_the_backup_ssp_and_delay_bars_whatever_the_mode_and_shows_bad_combinations(monkeypatch):
     drawn: list[Figure] = []
     overview = ps_plots.plot_ps_overview
     monkeypatch.setattr(ps_plots, "plot_ps_overview", lambda *a, **k: drawn.append(overview(*a, **k)) or drawn[-1])
@@ -311,12 +350,16 @@ def test_explorer_moves_the_backup_and_ssp_bars_whatever_the_mode_and_shows_bad_
     def bars() -> list[float]:
         return [container[0].get_height() for container in drawn[-1].axes[2].containers]
 
-    before = bars()
+    before = bars()  # sync 2, async 2, ssp 1 (random delays: no closed form), bounded_delay 1, backup 2
     controls["backup workers b"].value = 2
     after = bars()
-    assert after[:5] == before[:5] and after[5:] != before[5:]  # only backup's bars moved
-    controls["staleness bound s"].value = 0
-    assert bars()[4] == pytest.approx(bars()[0])  # ssp with s = 0 is sync
+    assert after[:6] == before[:6] and after[6:] != before[6:]  # only backup's bars moved
+    controls["straggler"].value = ps_plots.STRAGGLERS[0]
+    controls["ssp: clock bound s"].value = 0
+    assert bars()[4] == pytest.approx(bars()[0] / 4)  # ssp with s = 0 is sync, one gradient an update
+    assert bars()[5] == pytest.approx(bars()[0] / 4)  # and its closed form, the slow worker's pace
+    controls["bounded delay τ"].value = 0
+    assert bars()[6] == pytest.approx(bars()[0])  # and so is tau = 0, update for update
     controls["workers N"].value, controls["mode"].value = 2, "backup"
     assert "cannot run" in summary.value and "backup_workers must be an integer in [0, 2)" in summary.value
     assert any(text.get_text().startswith("ValueError: ") for text in drawn[-1].axes[0].texts)

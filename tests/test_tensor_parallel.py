@@ -315,6 +315,49 @@ def test_bad_sizes_and_seeds_are_value_errors_naming_the_numbers(config, kwargs,
     assert message in str(failure.value)
 
 
+def _padded_vocabulary(divisible_by: int, tie_weights: bool) -> tuple:
+    from labkit.parallel.tensor import parallelize_tensor
+
+    torch.set_num_threads(1)
+    config = GPTConfig.preset("100k", vocab_size=30, tie_weights=tie_weights)
+    x, y = _batch(0)
+    dense = TinyGPT(config, seed=1)
+    dense_loss = dense(x, y)[1]
+    dense_loss.backward()
+    model = parallelize_tensor(TinyGPT(config, seed=1), None, vocab_divisible_by=divisible_by)
+    logits, loss = model(x, y)
+    loss.backward()
+    table = model.module.token_embedding.weight
+    real = max(0, min(table.shape[0], config.vocab_size - model.module.token_embedding.vocab_start))
+    gradients = model.full_gradients()
+    return (model.padded_vocab_size, logits.shape[-1], abs(loss.item() - dense_loss.item()),
+            table[real:].abs().sum().item(), table.grad[real:].abs().sum().item(),
+            max((gradients[name] - p.grad).abs().max().item() for name, p in dense.named_parameters()),
+            {name: tuple(t.shape) for name, t in model.full_state_dict().items()} ==
+            {name: tuple(t.shape) for name, t in dense.state_dict().items()})
+
+
+@pytest.mark.parametrize("tie_weights", [True, False], ids=["tied", "untied"])
+def test_megatrons_vocabulary_padding_keeps_the_dense_loss_and_gradients(tie_weights):
+    # 30 over 2 ranks: labkit pads nothing (a multiple of 2); a multiple of 8 * 2 = 16 pads to 32, 16 rows a rank
+    for padded, rows, loss_gap, padding, padding_gradient, gradient_gap, same_shapes in launch(
+            _padded_vocabulary, 8, tie_weights, nprocs=2, timeout=60):
+        assert (padded, rows) == (32, 16)
+        assert loss_gap < ATOL and gradient_gap < ATOL and same_shapes
+        assert padding == 0 and padding_gradient == 0  # zero rows that no gradient reaches
+    assert {result[0] for result in launch(_padded_vocabulary, 1, tie_weights, nprocs=2, timeout=60)} == {30}
+
+
+def test_grouped_query_attention_needs_t_to_divide_the_key_value_heads():
+    from labkit.parallel.tensor.transformer import check_tensor_parallel_sizes
+
+    check_tensor_parallel_sizes(8192, 64, 8, n_kv_head=8)  # Llama-2-70B at t = 8: whole key/value heads
+    with pytest.raises(ValueError, match="8 key/value heads must be divisible by 16"):
+        check_tensor_parallel_sizes(8192, 64, 16, n_kv_head=8)
+    with pytest.raises(ValueError, match="n_head=4 and n_embd=144 must both be divisible by 3"):
+        check_tensor_parallel_sizes(144, 4, 3)
+
+
 def test_only_tinygpt_is_accepted():
     with pytest.raises(RankFailed, match="TypeError.*TinyGPT"):
         launch(_wrap_linear, nprocs=1, timeout=30, rank_output="none")
@@ -352,3 +395,25 @@ def test_the_model_counts_the_textbook_collectives():
     times = [model.tensor_parallel_step_time(config, 2, 64, t, 1.0, link) for t in (1, 2, 4)]
     assert [step.compute_s for step in times] == [1.0, 0.5, 0.25]
     assert times[0].communication_s == 0 < times[1].communication_s < times[2].communication_s
+
+
+def test_the_step_model_keeps_what_does_not_split_slows_shared_cores_and_takes_measured_collectives():
+    from labkit.costmodel import tensor_parallel as model
+    from labkit.costmodel.collectives import LinkModel
+
+    config = GPTConfig.preset("1m")
+    calls = model.tensor_parallel_collectives(config, 4, 128, 2)
+    measured = {4 * 128 * config.n_embd * 4: 2e-3, 4 * 128 * 4: 1e-3}  # an activation's, and the loss's
+    step = model.tensor_parallel_step_time(config, 4, 128, 2, 0.08, whole_s=0.02, slowdown=1.5,
+                                           collective_s=lambda call: measured[call.nbytes])
+    assert step.compute_s == pytest.approx((0.02 + 0.06 / 2) * 1.5) and step.whole_s == pytest.approx(0.03)
+    assert step.collectives == len(calls) == 21 and step.communication_s == pytest.approx(18 * 2e-3 + 3 * 1e-3)
+    assert step.step_s == pytest.approx(step.compute_s + step.communication_s)
+    # without whole_s and slowdown the model is the GPU one: the step divided by t, the ring over the link
+    link = LinkModel(alpha_s=1e-5, beta_s_per_byte=1e-9)
+    plain = model.tensor_parallel_step_time(config, 4, 128, 2, 0.08, link)
+    assert plain.compute_s == 0.04 and plain.whole_s == 0
+    assert model.tensor_parallel_step_time(config, 4, 128, 1, 0.08, whole_s=0.02).step_s == pytest.approx(0.08)
+    for kwargs, message in (({"whole_s": 0.09}, "whole_s"), ({"slowdown": 0.0}, "slowdown"), ({}, "link")):
+        with pytest.raises(ValueError, match=message):
+            model.tensor_parallel_step_time(config, 4, 128, 2, 0.08, **kwargs)

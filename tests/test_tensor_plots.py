@@ -1,6 +1,9 @@
-"""Lesson 06's additions: the per-rank and per-layer cost model of tensor parallelism, its plots and its explorer."""
+"""Lesson 06's additions: the per-rank and per-layer cost model of tensor parallelism, what its CPU step model is
+fed (``labkit.parallel.tensor.timing``), its plots and its explorer."""
 
 from __future__ import annotations
+
+import time
 
 import ipywidgets
 import pytest
@@ -81,6 +84,110 @@ def test_layer_time_is_compute_over_t_beside_four_ring_all_reduces_that_do_not_s
         tp_model.tensor_parallel_layer_time(b, s, h, 8, 0.0, NVLINK)
 
 
+def test_t_must_divide_the_heads_the_hidden_size_and_under_gqa_the_key_value_heads():
+    assert tp_model.valid_tp_degrees(8192, 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert tp_model.valid_tp_degrees(8192, 64, kv_heads=8) == [1, 2, 4, 8]  # Llama-2-70B: 8 key/value heads
+    assert tp_model.valid_tp_degrees(12288, 96, limit=8) == [1, 2, 3, 4, 6, 8]
+    assert "n_head=64 and n_embd=8192 must both be divisible by 52" in tp_model.tensor_parallel_size_problem(
+        8192, 64, 52)
+    assert "8 key/value heads must be divisible by 16" in tp_model.tensor_parallel_size_problem(8192, 64, 16, 8)
+    assert "cannot be shared evenly" in tp_model.tensor_parallel_size_problem(1280, 10, 2, 8)
+    assert tp_model.tensor_parallel_size_problem(8192, 64, 8, 8) is None
+    with pytest.raises(ValueError, match="kv_heads"):
+        tp_model.tensor_parallel_size_problem(8192, 64, 8, 0)
+
+
+def test_vocabulary_padding_labkits_rule_and_megatrons():
+    from labkit.parallel.tensor.layers import MEGATRON_VOCAB_DIVISIBLE_BY, padded_size
+
+    assert MEGATRON_VOCAB_DIVISIBLE_BY == 128
+    # GPT-2's 50,257 and Llama 2's 32,000 tokens at t = 8: a multiple of 8, or (Megatron-LM) of 128 * 8 = 1024
+    assert [padded_size(50_257, 8), padded_size(32_000, 8)] == [50_264, 32_000]
+    assert [padded_size(50_257, 8, 128), padded_size(32_000, 8, 128)] == [51_200, 32_768]
+    assert padded_size(50_257, 1, 128) == 50_304  # Megatron's GPT-2 without tensor parallelism
+    with pytest.raises(ValueError, match="divisible_by"):
+        padded_size(30, 2, 0)
+    config = GPTConfig.preset("100k", vocab_size=30)
+    megatron = tp_model.parameters_per_rank(config, 2, vocab_divisible_by=8)  # 30 -> 32: 2 padding rows
+    assert megatron["split"] - tp_model.parameters_per_rank(config, 2)["split"] == config.n_embd
+
+
+# ---------------------------------------------------------------------------------------------------------
+# labkit.parallel.tensor.timing: what the lesson's CPU step model is fed (no assert on a measured time)
+
+
+def test_split_kernels_time_the_products_attention_and_gelu_only(monkeypatch):
+    import types
+
+    import torch.nn.functional as F
+
+    from labkit.parallel.tensor import timing
+
+    assert all(map(timing.is_split_kernel, ("aten::mm", "addmm", "aten::bmm.default", "aten::gelu_backward",
+                                            "aten::_scaled_dot_product_flash_attention_for_cpu_backward")))
+    assert not any(map(timing.is_split_kernel, ("aten::native_layer_norm", "aten::add", "aten::embedding",
+                                                "aten::_softmax", "aten::mul")))
+    # A known workload under a clock that moves one second each time it is read: the two reads around a split
+    # kernel count 1 s, a kernel outside the split is not read around and counts nothing.
+    ticks = iter(range(1_000))
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(thread_time=lambda: float(next(ticks))))
+    a, b, x = torch.randn(4, 8), torch.randn(8, 4), torch.randn(2, 4, 4)
+    with timing.SplitKernels() as kernels:
+        torch.mm(a, b)  # split: 4 of these
+        torch.addmm(torch.zeros(4, 4), a, b)
+        torch.bmm(x, x)
+        F.gelu(a)
+        F.layer_norm(a, (8,))  # whole on every rank: 4 of these
+        F.softmax(a, dim=-1)
+        a + a
+        F.embedding(torch.tensor([0, 1]), a)
+    assert (kernels.calls, kernels.split_s) == (4, 4.0)
+
+
+def test_split_kernels_find_every_split_kernel_of_a_block_in_its_real_time():
+    from labkit.parallel.tensor.timing import SplitKernels
+
+    torch.manual_seed(0)
+    block, x = Block(GPTConfig(n_embd=32, n_head=2, block_size=16)), torch.randn(2, 16, 32)
+    start = time.thread_time()
+    with SplitKernels() as kernels:
+        block(x).sum().backward()
+    # forward: query, key, value, proj, fc, proj (6 products), attention, GeLU; backward: two products per
+    # weight gradient and input gradient of each, attention's, GeLU's
+    assert kernels.calls >= 6 + 2 + 6 * 2 + 2
+    assert isinstance(kernels.split_s, float) and 0 < kernels.split_s <= time.thread_time() - start
+
+
+def _machine_costs(message_bytes):
+    from labkit.parallel.tensor.timing import shared_machine_costs
+
+    torch.set_num_threads(1)
+    return shared_machine_costs(message_bytes, repeats=2, rounds=1, burst=(16, 16, 16))
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_shared_machine_costs_give_every_rank_the_slowdown_and_a_cost_per_size(nprocs):
+    results = launch(_machine_costs, (4096, 64), nprocs=nprocs, timeout=60)
+    assert all(result == results[0] for result in results)  # every rank gets the same answer
+    costs = results[0]
+    assert set(costs) == {"slowdown", "collective_s"}
+    assert isinstance(costs["slowdown"], float) and costs["slowdown"] > 0
+    assert list(costs["collective_s"]) == [4096, 64]
+    assert all(isinstance(seconds, float) and seconds >= 0 for seconds in costs["collective_s"].values())
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"message_bytes": ()}, r"message_bytes .*got \(\)"), ({"message_bytes": (2,)}, r"got \(2,\)"),
+    ({"message_bytes": (4096, 6)}, r"got \(4096, 6\)"), ({"repeats": 0}, "repeats .*got 0"),
+    ({"rounds": 1.5}, "rounds .*got 1.5"), ({"burst": (16, 0, 16)}, r"burst .*got \(16, 0, 16\)")])
+def test_shared_machine_costs_refuse_bad_input_naming_it(kwargs, named):
+    from labkit.parallel.tensor.timing import shared_machine_costs
+
+    # refused before it looks for a process group: no ranks needed
+    with pytest.raises(ValueError, match=named):
+        shared_machine_costs(**{"message_bytes": (64,)} | kwargs)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The plots
 
@@ -141,6 +248,14 @@ def test_layer_time_plot_marks_the_node_and_gives_each_links_share():
     shares = sorted(text.get_text().strip() for text in bars.texts)
     assert shares == ["60% communicating", "82% communicating"]  # 3 / (2 + 3) and 9 / (2 + 9)
     assert "ms" in curves.get_ylabel() and "ms" in bars.get_xlabel()
+    small = tensor_plots.plot_layer_time([1, 2, 4], compute_s[:3], {"fast": communication["fast"][:3]}, 2, "fast",
+                                         node_size=8)
+    assert not any(list(line.get_xdata()) == [8, 8] for line in small.axes[0].lines)  # no edge beyond the degrees
+    # the time axis reads in numbers, several of them, not a lone "10^2"
+    figure.canvas.draw()
+    inside = [(tick, label.get_text()) for tick, label in zip(curves.get_yticks(), curves.get_yticklabels(), strict=True)
+              if curves.get_ylim()[0] <= tick <= curves.get_ylim()[1]]
+    assert len(inside) >= 3 and all(text and "10^" not in text and "$" not in text for _, text in inside)
     with pytest.raises(ValueError, match="chosen_link"):
         tensor_plots.plot_layer_time(degrees, compute_s, communication, 8, "pigeon")
     with pytest.raises(ValueError, match="chosen_degree"):
@@ -159,8 +274,39 @@ def _to_the_other_end(control) -> None:
 
 
 def test_tensor_parallel_explorer_redraws_on_release_for_every_control():
-    # 6: tests/test_browser.py's count for 06_tensor_parallel
-    check_every_control_redraws(widgets.tensor_parallel_explorer(), 6, _to_the_other_end)
+    # 7: tests/test_browser.py's count for 06_tensor_parallel
+    check_every_control_redraws(widgets.tensor_parallel_explorer(), 7, _to_the_other_end)
+
+
+def _controls(explorer) -> dict:
+    return {control.description: control for control in explorer_controls(explorer)}
+
+
+def test_tensor_parallel_explorer_refuses_a_degree_that_does_not_split_whole_heads():
+    explorer = widgets.tensor_parallel_explorer(hidden_size=8192, tp_degree=8)
+    controls, summary = _controls(explorer), explorer.children[1]
+    controls["TP degree t"].value = 52  # 64 heads of 128: 52 divides neither them nor 8192
+    assert controls["TP degree t"].value == 64
+    assert "t = 52 refused" in summary.value and "n_head=64 and n_embd=8192" in summary.value
+    assert "t may be 1, 2, 4, 8, 16, 32, 64" in summary.value
+    controls["TP degree t"].value = 32
+    assert "refused" not in summary.value  # said once, at the degree it moved to
+    controls["key/value heads"].value = next(label for label, kv in widgets.KV_HEADS.items() if kv == 8)
+    assert controls["TP degree t"].value == 8  # Llama-2-70B's 8 key/value heads: t at most 8
+    assert "t = 32 refused" in summary.value and "8 key/value heads must be divisible by 32" in summary.value
+    controls["hidden h"].value = 1280  # 10 heads: not in groups of 8
+    assert "cannot be shared evenly" in summary.value and "t may be 1, 2, 5, 10" in summary.value
+    refused_gqa = explorer.children[2].value  # the figure says so too (its title): it differs from multi-head's
+    controls["key/value heads"].value = next(label for label, kv in widgets.KV_HEADS.items() if kv is None)
+    assert explorer.children[2].value != refused_gqa
+
+
+def test_tensor_parallel_explorer_draws_only_the_valid_degrees():
+    explorer = widgets.tensor_parallel_explorer(hidden_size=12288, tp_degree=8)
+    degrees = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]  # 96 heads of 128
+    assert f"t may be {', '.join(map(str, degrees))}" in explorer.children[1].value
+    explorer = widgets.tensor_parallel_explorer(hidden_size=8192, tp_degree=16, kv_heads=8)
+    assert _controls(explorer)["TP degree t"].value == 8 and "t = 16 refused" in explorer.children[1].value
 
 
 def test_tensor_parallel_explorer_says_when_the_group_leaves_the_node():

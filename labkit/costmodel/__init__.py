@@ -2,8 +2,12 @@
 
 - ``compute``: FLOPs, GPUs and their links, training time and MFU (lessons 00 and 11);
 - ``collectives``: the alpha-beta cost of each collective (lesson 01);
-- ``step``: the time of a training step, with overlap (lesson 02), and of a 3D step, each term apart (lesson 11);
-- ``memory``: bytes per rank under DP, ZeRO, TP and PP, and transformer activations (lessons 04-06);
+- ``step``: the time of a training step, with overlap (lesson 02), and of a 3D step, each term apart (lesson 11),
+  from ``stages`` (each pipeline stage's compute and parameters) and ``timeline`` (a schedule placed in time);
+- ``memory``: bytes per rank under DP, ZeRO, TP and PP (lessons 04-06); ``shapes``: transformers' parameters and
+  activations;
+- ``hardware``: the GPUs and links every lesson prices; ``planner``, ``published``, ``validation``: lesson 11's
+  planner, the published runs it is held to, and the fit held out of sample;
 - ``tensor_parallel``: every collective of a tensor-parallel step, and its time (lesson 06);
 - ``stragglers``: what waiting for the slowest worker costs, and what asynchrony costs in staleness (lesson 08).
 """

@@ -7,7 +7,7 @@ Lesson 00 starts here, with the two reasons training is distributed at all:
   parameter** before a single activation.  A 7B-parameter model needs 112 GB; the largest GPUs hold 80-141 GB.
 - **Time.** A transformer's forward and backward pass cost about **6 FLOPs per parameter per token** (2 for the
   forward multiply-add, 4 for the backward), so training on D tokens costs ``6 N D`` FLOPs.  A GPU delivers
-  its peak only in part: the *model FLOPs utilisation* (MFU) of good large-scale runs is 38-52 %
+  its peak only in part: the *model FLOPs utilisation* (MFU) of good large-scale runs is 38-49 %
   (:data:`MFU_OF_LARGE_RUNS`, with its sources).
 
 So ``time = 6 N D / (GPUs x peak x MFU)`` — and the rest of the course is about keeping MFU high while the
@@ -27,8 +27,10 @@ BYTES_PER_PARAMETER_MIXED_ADAM = 16  # 2 (bf16 weights) + 2 (bf16 gradients) + 1
 
 # The MFU that published large runs report, lowest and highest, the range every lesson quotes: Llama 3 405B's
 # pre-training at 38-43 % of the H100's bf16 peak (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4) and
-# Megatron-LM's 1T-parameter GPT at 52 % of the A100's (Narayanan et al. 2021, Table 1: 163 of 312 TFLOP/s).
-MFU_OF_LARGE_RUNS = (0.38, 0.52)
+# Megatron-LM's H100 model table at 41-49 % (README "Performance Benchmarking", Megatron-Core r0.8.0; 49 % for its
+# 16B on 192 GPUs).  Narayanan et al. 2021's "52 % of peak" for a 1T GPT on A100s (Table 1: 163 of 312 TFLOP/s)
+# counts the recomputed forward (their equation 3): hardware FLOPs, 39 % as MFU (labkit.costmodel.published).
+MFU_OF_LARGE_RUNS = (0.38, 0.49)
 
 # The GPUs' presets live in labkit.costmodel.hardware (one source for every lesson); they are re-exported here.
 GPU, GPUS = hardware.GPU, hardware.GPUS
@@ -87,13 +89,26 @@ def model_flops_per_step(shape: Any, global_batch: int, seq_len: int | None = No
     without (:func:`narayanan_flops`).  MFU counts the step without recomputation (the model's FLOPs), whatever
     the run recomputed; the FLOPs a GPU actually executed (HFU) include it.
     """
-    s = shape.seq_len if seq_len is None else seq_len
-    if global_batch < 1 or s < 1:
-        raise ValueError(f"global_batch and seq_len must be >= 1, got {global_batch!r} and {s!r}")
-    tokens = global_batch * s
-    layer_forward = tokens * (2 * matmul_parameters_per_layer(shape) + 4 * s * shape.hidden_size)
-    logits_forward = tokens * 2 * shape.hidden_size * shape.vocab_size
+    layer_forward, logits_forward = layer_flops(shape, global_batch, seq_len), head_flops(shape, global_batch, seq_len)
     return shape.num_layers * layer_forward * (4 if recompute else 3) + 3 * logits_forward
+
+
+def _tokens(global_batch: int, seq_len: int) -> int:
+    if global_batch < 1 or seq_len < 1:
+        raise ValueError(f"global_batch and seq_len must be >= 1, got {global_batch!r} and {seq_len!r}")
+    return global_batch * seq_len
+
+
+def layer_flops(shape: Any, global_batch: int, seq_len: int | None = None) -> float:
+    """One layer's forward FLOPs over ``global_batch`` sequences (:func:`model_flops_per_step`'s count)."""
+    s = shape.seq_len if seq_len is None else seq_len
+    return _tokens(global_batch, s) * (2 * matmul_parameters_per_layer(shape) + 4 * s * shape.hidden_size)
+
+
+def head_flops(shape: Any, global_batch: int, seq_len: int | None = None) -> float:
+    """The output layer's forward FLOPs (the logits, ``2 h V`` a token); its backward costs twice that."""
+    s = shape.seq_len if seq_len is None else seq_len
+    return _tokens(global_batch, s) * 2 * shape.hidden_size * shape.vocab_size
 
 
 def narayanan_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: int, recompute: bool = True

@@ -8,12 +8,25 @@ peaks, NVIDIA's NCCL for latencies.
 GB/s in both directions together, so 450 GB/s each way; an H100 node's InfiniBand gives each GPU one 400 Gb/s
 NDR port, 50 GB/s.  A ring all-reduce is limited by the one-way bandwidth of its slowest link.
 
-**Latencies** (the alpha of lesson 01's alpha-beta model, per message of a ring) are not on any datasheet.
-NCCL's own tuning model (``src/graph/tuning.cc``: a base latency per collective and a hardware latency per ring
-step, a few microseconds for NVLink and more for the network) puts one step of a ring at a few microseconds
-inside a node and around ten across nodes; labkit takes 5 us over NVLink and PCIe and 10 us over InfiniBand, and
-50 us over TCP on Ethernet (a kernel socket round trip).  They matter only for small messages: at the sizes of
-a training step the bandwidth term dominates.
+**Latencies** (the alpha of lesson 01's alpha-beta model) are not on any datasheet.  labkit takes them from NCCL's
+own tuning model, which prices every collective it might run as a base latency per call plus a hardware latency
+per step of the algorithm (``src/graph/tuning.cc`` of NVIDIA/nccl, version 2.30.7, commit ``5067397c``:
+``baseLatencies`` and ``hwLatencies``).  For a ring under the *Simple* protocol, the one NCCL uses for the
+megabytes a training step moves, those constants are 8.4 us a call, and per ring step 3.4 us over NVLink, 5.7 us
+over PCIe and 14 us over the network.  labkit's per-message ``alpha`` is NCCL's per-step latency
+(:data:`NVLINK_LATENCY_S`, :data:`PCIE_LATENCY_S`, :data:`INFINIBAND_LATENCY_S`), and the step model adds
+:data:`NCCL_CALL_LATENCY_S` once per collective; 50 us over TCP on Ethernet is a kernel socket's round trip.  A
+ring of ``N`` ranks takes ``2 (N - 1)`` steps to all-reduce, so its latency grows with the group: 3.6 ms for an
+all-reduce over 128 nodes, whatever its size.  (NCCL also multiplies a multi-node ring all-reduce's latency by
+1.4 on A100s and later, its "plateau effect of ring", and switches to trees where they are faster; labkit
+prices the ring only.)
+
+**Overlap is not free.**  Communication hidden behind computation still takes the GPU's streaming
+multiprocessors and memory bandwidth from it: measured on four A100s and four H100s (and AMD GPUs) training GPT
+and Llama models, computation overlapped with collectives ran 18.9 % slower on average (at most 40 %) than alone
+("Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning: Performance and
+Power Implications", 2025, arXiv 2507.03114, abstract).  :data:`OVERLAP_SLOWDOWN` is that average: the step
+model charges each second of hidden communication 0.189 s of compute.
 """
 
 from __future__ import annotations
@@ -22,11 +35,15 @@ from dataclasses import dataclass
 
 from labkit.costmodel.collectives import LinkModel
 
-# Per-message latencies (module docstring: NCCL's tuning model, and a socket's round trip for TCP).
-NVLINK_LATENCY_S = 5e-6
-PCIE_LATENCY_S = 5e-6
-INFINIBAND_LATENCY_S = 10e-6
+# Per-message latencies: one ring step under NCCL's Simple protocol (module docstring: tuning.cc's hwLatencies), and
+# a socket's round trip for TCP; NCCL's base latency of a ring call (baseLatencies, Ring/Simple).
+NVLINK_LATENCY_S = 3.4e-6
+PCIE_LATENCY_S = 5.7e-6
+INFINIBAND_LATENCY_S = 14e-6
 ETHERNET_TCP_LATENCY_S = 50e-6
+NCCL_CALL_LATENCY_S = 8.4e-6
+# The compute slowdown per second of communication hidden behind it (module docstring: arXiv 2507.03114).
+OVERLAP_SLOWDOWN = 0.189
 
 
 @dataclass(frozen=True)

@@ -2,25 +2,36 @@
 
 The choice a team makes before a large run (lesson 11): how many ways of tensor parallelism ``t``, pipeline
 stages ``p`` and data-parallel replicas ``d = N / (t p)``; ZeRO's stage over ``d``; the micro-batch ``b``;
-activation recomputation; and the schedule.  Narayanan et al. 2021 (section 3.3) give rules of thumb: ``t`` up
-to the GPUs of one node, ``p`` as large as the model needs to fit, then ``d`` for the rest, ``b`` small when
-``m`` must stay large.  The planner checks them by its own numbers instead:
+activation recomputation; and the schedule (interleaving with any ``v`` that divides a stage's layers).
+Narayanan et al. 2021 (section 3.3) give rules of thumb: ``t`` up to the GPUs of one node, ``p`` as large as
+the model needs to fit, then ``d`` for the rest, ``b`` small when ``m`` must stay large.  The planner checks
+them by its own numbers instead:
 
-1. **enumerate** every ``(t, p, zero, b, recompute, schedule)`` whose degrees divide what they split: ``t`` the
-   heads (and key/value heads), ``p`` (times ``v``) the layers, ``d`` the global batch, ``b`` a replica's
-   share; FSDP only with GPipe or 1F1B (as :func:`labkit.parallel.parallelize.check_3d` refuses otherwise);
-2. **fit**: the memory per GPU (:func:`labkit.costmodel.memory.memory_per_rank` with these degrees, plus the
-   activations the first stage holds: ``min(m, p)`` micro-batches of its ``L / p`` layers under 1F1B and ZB-H1,
-   ``m`` under GPipe, ``p + (p - 1) / v``-ish under interleaving, counted as ``min(m, p) + 1``; sequence
-   parallelism with TP; Korthikanti et al. 2022) must not exceed the device's memory;
+1. **enumerate** every ``(t, p, zero, b, recompute, schedule, v)`` whose degrees divide what they split: ``t``
+   the heads (and key/value heads), ``p v`` the layers, ``d`` the global batch, ``b`` a replica's share;
+   FSDP only with GPipe or 1F1B (as :func:`labkit.parallel.parallelize.check_3d` refuses otherwise);
+2. **fit**: the memory of the fullest GPU (:func:`layout_memory`: the first pipeline rank holds the embedding
+   and the most micro-batches in flight, the last the output layer and the logits) must stay under the
+   device's memory less :data:`MEMORY_MARGIN`;
 3. **rank** by :func:`labkit.costmodel.step.predict_step`.  Placing every candidate's schedule in time would
-   take minutes at thousands of GPUs, so each is first bounded from below by its closed-form makespan
-   (:func:`~labkit.costmodel.step.closed_form_makespan`: free sends), and only candidates whose bound beats the
-   ``top``-th best exact time so far are simulated: the top of the ranking is exact, not estimated.
+   take minutes at thousands of GPUs, so each is first bounded from below (free sends, no DP or ZeRO, each
+   stage's work and the schedule's closed form at the lightest stage's pace), and only candidates whose bound
+   beats the ``top``-th best exact time so far are simulated: the top of the ranking is exact, not estimated.
 
-``efficiency`` is the fraction of the device's peak its matrix multiplications reach: the one calibration
-constant (``labkit doctor`` measures it on this machine; for published runs lesson 11 fits it once).
-When nothing fits, :class:`PlanResult` says why: the smallest memory per GPU any candidate needed.
+**What a plan counts at the peak of memory.**  Lesson 04 measures a mixed-precision step's model states at
+their peak: 20 bytes a parameter, the 16 held between steps and the optimizer's fp32 copy of the gradients
+(:func:`~labkit.costmodel.memory.memory_per_rank` with ``peak=True``; ``gradient_bytes=4`` for frameworks
+that accumulate in fp32 and step those directly, 18).  A step accumulates every micro-batch's gradients before
+its one reduction, so under ZeRO-2 and FSDP each rank holds them whole through the schedule
+(``accumulating``).  Beyond what the model counts, a real run needs the CUDA context, NCCL's buffers (a few MiB
+per channel and peer, for every group a rank joins), cuBLAS's workspaces and the caching allocator's rounding
+and fragmentation: not measured here (the course's lessons run on CPUs), so the planner keeps a margin,
+:data:`MEMORY_MARGIN`, 10 % of the device (8 GB of an 80 GB GPU), rather than plan to the last byte.
+
+``efficiency`` is the fraction of the device's peak its matrix multiplications reach: the one fitted constant
+(:mod:`labkit.costmodel.validation` fits it to published runs and tests it on others; ``labkit doctor``
+measures this machine's).  When nothing fits, :class:`PlanResult` says why: the least memory per GPU any
+candidate needed.
 """
 
 from __future__ import annotations
@@ -31,35 +42,54 @@ from dataclasses import dataclass, field
 from labkit.costmodel import hardware
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPU, mfu, model_flops_per_step
-from labkit.costmodel.memory import TransformerShape, activation_bytes, memory_per_rank, num_parameters
-from labkit.costmodel.step import Hardware, Layout, StepTime, closed_form_makespan, predict_step, stage_times
+from labkit.costmodel.memory import TransformerShape, activation_bytes, memory_per_rank
+from labkit.costmodel.stages import chunk_layers, rank_parameters
+from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")
+MEMORY_MARGIN = 0.10  # of the device kept free for what the memory model does not count (module docstring)
+# Megatron-Core's gradient buckets: DistributedDataParallelConfig.bucket_size, "max(40000000, 1000000 * dp_size)
+# parameters (larger DP sizes need larger buckets to ensure collectives do not become latency-bound)".
+DP_BUCKET_ELEMENTS = 40_000_000
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """``num_gpus`` GPUs of one kind: its peak and links (:data:`labkit.costmodel.compute.GPUS`), the fraction
-    ``efficiency`` of the peak its matrices reach, and each link's latency."""
+    """``num_gpus`` GPUs of one kind: its peak, memory and links (:data:`labkit.costmodel.compute.GPUS`), the
+    fraction ``efficiency`` of the peak its matrices reach, each link's latency, and the share of each GPU's
+    memory a plan leaves free (``memory_margin``, :data:`MEMORY_MARGIN`)."""
 
     gpu: GPU
     num_gpus: int
     efficiency: float = 0.5
     intra_latency_s: float = hardware.NVLINK_LATENCY_S
     inter_latency_s: float = hardware.INFINIBAND_LATENCY_S
+    memory_margin: float = MEMORY_MARGIN
 
     def __post_init__(self) -> None:
         if isinstance(self.num_gpus, bool) or not isinstance(self.num_gpus, int) or self.num_gpus < 1:
             raise ValueError(f"num_gpus must be an integer >= 1, got {self.num_gpus!r}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency!r}")
+        if not 0 <= self.memory_margin < 1:
+            raise ValueError(f"memory_margin must be in [0, 1), got {self.memory_margin!r}")
         if self.gpu.nvlink_bandwidth <= 0 or self.gpu.network_bandwidth <= 0:
             raise ValueError(f"{self.gpu.name} has no link bandwidths: give nvlink_bandwidth and network_bandwidth")
 
+    @property
+    def usable_bytes(self) -> float:
+        """What a plan may fill of each GPU: its memory less the margin."""
+        return (1 - self.memory_margin) * self.gpu.memory_bytes
+
     def hardware(self) -> Hardware:
+        """The step model's view of the cluster: NCCL's latencies (per ring step and per call), the slowdown of
+        compute beside hidden communication (:mod:`labkit.costmodel.hardware`), Megatron-Core's gradient
+        buckets (:data:`DP_BUCKET_ELEMENTS`), and a network adapter per GPU (``rails``: DGX nodes)."""
         return Hardware(self.efficiency * self.gpu.peak_bf16_flops,
                         LinkModel(self.intra_latency_s, 1 / self.gpu.nvlink_bandwidth),
-                        LinkModel(self.inter_latency_s, 1 / self.gpu.network_bandwidth), self.gpu.gpus_per_node)
+                        LinkModel(self.inter_latency_s, 1 / self.gpu.network_bandwidth), self.gpu.gpus_per_node,
+                        call_latency_s=hardware.NCCL_CALL_LATENCY_S, overlap_slowdown=hardware.OVERLAP_SLOWDOWN,
+                        dp_bucket_elements=DP_BUCKET_ELEMENTS, rails=True)
 
 
 @dataclass(frozen=True)
@@ -82,6 +112,7 @@ class PlanResult:
     fitting: int
     smallest_memory: float | None = None  # bytes per GPU the least hungry candidate needed
     notes: list[str] = field(default_factory=list)
+    usable_bytes: float | None = None  # what a plan could fill of each GPU
 
     @property
     def best(self) -> Candidate | None:
@@ -92,47 +123,78 @@ class PlanResult:
             return f"{self.fitting} of {self.considered} configurations fit"
         if self.smallest_memory is None:
             return "no configuration divides this model, batch and number of GPUs: " + "; ".join(self.notes)
+        room = "" if self.usable_bytes is None else f", {self.usable_bytes / 1e9:.1f} GB usable"
         return (f"nothing fits: the least memory any of the {self.considered} configurations needs is "
-                f"{self.smallest_memory / 1e9:.1f} GB per GPU")
+                f"{self.smallest_memory / 1e9:.1f} GB per GPU{room}")
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def held_microbatches(layout: Layout, m: int, rank: int) -> float:
+    """How many micro-batches of its stage's activations pipeline rank ``rank`` holds at its peak: all ``m``
+    under GPipe, ``p - rank`` under 1F1B and ZB-H1 (at most ``m``), and under interleaving Megatron's warm-up,
+    ``(v - 1) p + 2 (p - 1 - rank) + 1`` chunk passes of ``1 / v`` of a stage each."""
+    p = layout.pp
+    if layout.schedule == "gpipe":
+        return m
+    if layout.schedule == "interleaved":
+        v = layout.virtual_stages
+        return min(m * v, (v - 1) * p + 2 * (p - 1 - rank) + 1) / v
+    return min(m, p - rank)
+
+
 def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, sequence_parallel: bool = True,
-                  flash_attention: bool = False, dropout: bool = True) -> dict[str, float]:
-    """Bytes per GPU of ``layout`` (mixed precision and Adam): model states, and the first stage's activations
-    (``flash_attention``, ``dropout``: as :func:`labkit.costmodel.memory.activation_bytes`).  With
-    recomputation each held micro-batch keeps its layers' inputs, and only the one layer being rebuilt holds
-    its whole activations."""
+                  flash_attention: bool = True, dropout: bool = True, gradient_bytes: int | None = None,
+                  stage_layers: tuple[int, ...] | None = None, peak: bool = True) -> dict[str, float]:
+    """Bytes on the fullest GPU of ``layout`` (mixed precision and Adam): the larger of the first pipeline
+    rank (the embedding, the most micro-batches in flight: :func:`held_microbatches`) and the last (the
+    output layer, and one micro-batch's logits, in bf16 and in fp32 for the loss).  Model states at the step's
+    peak (``peak``: lesson 04's fp32 copy of the gradients; ``gradient_bytes``: as
+    :func:`~labkit.costmodel.memory.memory_per_rank`), whole gradients under ZeRO-2/FSDP when the step
+    accumulates ``m > 1`` micro-batches; activations per :func:`~labkit.costmodel.memory.activation_bytes`
+    (``flash_attention``, ``dropout``; sequence parallelism with TP).  With recomputation each held micro-batch
+    keeps its layers' inputs, and only the one layer being rebuilt holds its whole activations."""
     d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
     m = global_batch // (d * b)
-    held = {"gpipe": m, "interleaved": min(m, p) + 1}.get(layout.schedule, min(m, p))
     options = {"tp_degree": t, "sequence_parallel": sequence_parallel and t > 1, "dropout": dropout,
                "flash_attention": flash_attention}
-    whole = activation_bytes(shape, b, checkpointing=layout.recompute, layers=shape.num_layers // p, **options)
-    if layout.recompute:  # the rebuilt layer once, not once per micro-batch held
-        rebuilt = activation_bytes(shape, b, layers=1, **options)
-        activations = held * (whole - rebuilt) + rebuilt
-    else:
-        activations = held * whole
-    return memory_per_rank(num_parameters(shape), "mixed", "adam", layout.zero, d, t, p, activations)
+    layers = chunk_layers(shape, layout, stage_layers)
+    stage = max(sum(layers[r::p]) for r in range(p))  # a rank's layers (its chunks together)
+    whole = activation_bytes(shape, b, checkpointing=layout.recompute, layers=max(stage, 1), **options)
+    rebuilt = activation_bytes(shape, b, layers=1, **options)
+    per_stage = (whole - rebuilt) if layout.recompute else whole
+    logits = b * shape.seq_len * -(-shape.vocab_size // t) * (2 + 4)
+    parameters = rank_parameters(shape, layout, stage_layers)
+    worst: dict[str, float] = {}
+    for rank in sorted({0, p - 1}):
+        activations = held_microbatches(layout, m, rank) * per_stage + (rebuilt if layout.recompute else 0.0)
+        activations += logits if rank == p - 1 else 0.0
+        memory = memory_per_rank(parameters[rank], "mixed", "adam", layout.zero, d, t, 1, activations,
+                                 accumulating=m > 1, gradient_bytes=gradient_bytes, peak=peak)
+        if memory["total"] > worst.get("total", -1.0):
+            worst = memory
+    return worst
 
 
 def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_batches=(1, 2, 4, 8),
                schedules=SCHEDULES, zero_stages=(0, 1, 2, 3), recompute=(False, True),
-               virtual_stages: int | tuple[int, ...] = 2) -> list[Layout]:
-    """Every layout whose degrees divide what they split (see the module docstring); ``virtual_stages``: the
-    interleaved schedule's stages per rank to try (one or several)."""
-    interleavings = (virtual_stages,) if isinstance(virtual_stages, int) else tuple(virtual_stages)
+               virtual_stages: int | tuple[int, ...] | None = None, tensor_parallel: tuple[int, ...] | None = None,
+               pipeline_parallel: tuple[int, ...] | None = None) -> list[Layout]:
+    """Every layout whose degrees divide what they split (see the module docstring), a ZeRO stage only where
+    there are replicas to partition over (``d = 1``: the lowest stage asked for), and ZeRO-2 only where it differs
+    from ZeRO-1 (``m = 1``: under accumulation it holds whole gradients and sends what ZeRO-1 sends).
+    ``virtual_stages``: the interleaved schedule's stages per rank to try (default: every ``v >= 2`` that divides a
+    stage's layers); ``tensor_parallel`` and ``pipeline_parallel``: the degrees to try (default: every divisor)."""
+    interleavings = (virtual_stages,) if isinstance(virtual_stages, int) else virtual_stages
     found = []
     for t in _divisors(num_gpus):
-        if shape.num_heads % t or shape.num_kv_heads % t:
+        if shape.num_heads % t or shape.num_kv_heads % t or (tensor_parallel and t not in tensor_parallel):
             continue
         for p in _divisors(num_gpus // t):
             d = num_gpus // (t * p)
-            if shape.num_layers % p or global_batch % d:
+            if shape.num_layers % p or global_batch % d or (pipeline_parallel and p not in pipeline_parallel):
                 continue
             for b in micro_batches:
                 if (global_batch // d) % b:
@@ -141,55 +203,60 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
                 for schedule in schedules:
                     if schedule != "1f1b" and p == 1:
                         continue  # one stage: every schedule is the same gradient accumulation
-                    for v in interleavings if schedule == "interleaved" else (1,):
-                        if schedule == "interleaved" and (shape.num_layers % (p * v) or m % p):
-                            continue
+                    tried = (1,)
+                    if schedule == "interleaved":
+                        per_stage = shape.num_layers // p
+                        tried = tuple(v for v in (interleavings or _divisors(per_stage)[1:])
+                                      if v > 1 and per_stage % v == 0) if m % p == 0 else ()
+                    for v in tried:
                         for zero in zero_stages:
                             if zero == 3 and schedule in ("interleaved", "zb-h1"):
                                 continue
+                            if d == 1 and zero != min(zero_stages):
+                                continue  # one replica: every ZeRO stage is the same layout
+                            if zero == 2 and m > 1 and 1 in zero_stages:
+                                continue  # accumulating, ZeRO-2 holds and sends what ZeRO-1 does: the same layout
                             found += [Layout(d, t, p, zero, b, r, schedule, v) for r in recompute]
     return found
 
 
-def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int = 10, flash_attention: bool = False,
-         dropout: bool = True, gradient_bytes: int | None = None, overlap_gather: bool = False, **choices
-         ) -> PlanResult:
+def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int = 10, flash_attention: bool = True,
+         dropout: bool = True, gradient_bytes: int | None = None, overlap_gather: bool = False,
+         overlap_tp: bool = False, overlap_dp: bool = True, **choices) -> PlanResult:
     """The ``top`` fastest configurations of ``shape`` on ``cluster`` for a step of ``global_batch`` sequences
-    that fit in the device's memory, exactly ranked by :func:`~labkit.costmodel.step.predict_step`
-    (``choices``: :func:`candidates`' keyword arguments; ``flash_attention`` and ``dropout`` go to the memory
-    model, :func:`layout_memory`; ``gradient_bytes`` (4: gradients reduced in fp32, as Megatron does under
-    bf16) and ``overlap_gather`` to the step model)."""
+    that fit in each device's memory less the cluster's margin, exactly ranked by
+    :func:`~labkit.costmodel.step.predict_step` (``choices``: :func:`candidates`' keyword arguments;
+    ``flash_attention`` and ``dropout`` go to the memory model, :func:`layout_memory`; ``gradient_bytes`` (4:
+    gradients accumulated and reduced in fp32, as Megatron-LM does under bf16) to both; ``overlap_gather``,
+    ``overlap_tp`` and ``overlap_dp`` to the step model)."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an integer >= 1, got {global_batch!r}")
     layouts = candidates(shape, cluster.num_gpus, global_batch, **choices)
     hardware = cluster.hardware()
     fitting, smallest = [], math.inf
+    memory_options = {"flash_attention": flash_attention, "dropout": dropout, "gradient_bytes": gradient_bytes}
     for layout in layouts:
-        memory = layout_memory(shape, layout, global_batch, flash_attention=flash_attention, dropout=dropout)
+        memory = layout_memory(shape, layout, global_batch, **memory_options)
         smallest = min(smallest, memory["total"])
-        if memory["total"] <= cluster.gpu.memory_bytes:
+        if memory["total"] <= cluster.usable_bytes:
             fitting.append((layout, memory))
     notes = [] if layouts else [f"{cluster.num_gpus} GPUs, {shape.num_heads} heads, {shape.num_layers} layers, "
                                 f"global batch {global_batch}"]
-    # A lower bound for each (free sends, no exposed DP): the exact model runs only where the bound could win.
-    bounded = [(_lower_bound(shape, layout, global_batch, hardware), layout, memory) for layout, memory in fitting]
+    # A lower bound for each (free sends, no DP or ZeRO): the exact model runs only where the bound could win.
+    step_options = {"gradient_bytes": gradient_bytes, "overlap_gather": overlap_gather, "overlap_tp": overlap_tp,
+                    "overlap_dp": overlap_dp}
+    bounded = [(lower_bound(shape, layout, global_batch, hardware, **step_options), layout, memory)
+               for layout, memory in fitting]
     bounded.sort(key=lambda entry: entry[0])
     flops = model_flops_per_step(shape, global_batch)
     ranked: list[Candidate] = []
     for bound, layout, memory in bounded:
         if len(ranked) >= top and bound >= ranked[top - 1].step.step_s:
             break
-        step = predict_step(shape, layout, global_batch, hardware, gradient_bytes=gradient_bytes,
-                            overlap_gather=overlap_gather)
+        step = predict_step(shape, layout, global_batch, hardware, **step_options)
         ranked.append(Candidate(layout, step, memory, mfu(flops, step.step_s, cluster.num_gpus,
                                                           cluster.gpu.peak_bf16_flops),
                                 global_batch * shape.seq_len / step.step_s))
         ranked.sort(key=lambda candidate: candidate.step.step_s)
-    return PlanResult(ranked[:top], len(layouts), len(fitting), None if fitting or not layouts else smallest, notes)
-
-
-def _lower_bound(shape: TransformerShape, layout: Layout, global_batch: int, hardware: Hardware) -> float:
-    """The step without sends, DP or ZeRO: each stage's compute and TP in the closed-form pipeline."""
-    m, v, forward, backward, tp_forward, tp_backward = stage_times(shape, layout, global_batch, hardware)
-    return closed_form_makespan(layout.schedule if layout.pp > 1 else "1f1b", layout.pp, m, forward + tp_forward,
-                                backward + tp_backward, v)
+    return PlanResult(ranked[:top], len(layouts), len(fitting), None if fitting or not layouts else smallest, notes,
+                      cluster.usable_bytes)

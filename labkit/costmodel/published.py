@@ -1,6 +1,8 @@
 """Published large-scale runs, as data: what lesson 11's models (``compute``, ``step``, ``planner``) are held to.
 
-Two sources give, for dense GPT-style models on thousands of H100s, the layout and the throughput measured:
+Three sources give, for dense GPT-style models on hundreds to thousands of GPUs, the layout and the throughput
+measured (:mod:`labkit.costmodel.validation` fits the step model's one constant on the first and tests it on
+the others):
 
 - **Megatron-LM** (NVIDIA, README "Performance Benchmarking" / "Training Speed and Scalability", added 2024-07-15
   by D. Narayanan in commit ``f2e5db402c`` "New scaling figures on H100 GPUs", figures labelled "Megatron-Core
@@ -12,6 +14,12 @@ Two sources give, for dense GPT-style models on thousands of H100s, the layout a
 - **Llama 3** (Llama Team, AI @ Meta: A. Dubey et al., "The Llama 3 Herd of Models", 2024, arXiv 2407.21783,
   https://arxiv.org/abs/2407.21783).  :data:`LLAMA3_405B` is Table 4 ("Scaling configurations and MFU for each
   stage of Llama 3 405B pre-training"), every row; the shape is Table 3's 405B column.
+- **Narayanan et al. 2021** (D. Narayanan, M. Shoeybi, J. Casper, P. LeGresley, M. Patwary, V. Korthikanti, D.
+  Vainbrand, P. Kashinkunti, J. Bernauer, B. Catanzaro, A. Phanishayee, M. Zaharia, "Efficient Large-Scale
+  Language Model Training on GPU Clusters Using Megatron-LM", SC21, arXiv 2104.04473).  :data:`NARAYANAN_2021`
+  is Table 1 ("Weak-scaling throughput for GPT models ranging from 1 billion to 1 trillion parameters"), every
+  row: GPT models of vocabulary 51,200 and sequence 2,048 on Selene's DGX A100 nodes (eight 80 GB A100s joined by
+  NVLink and NVSwitch, eight 200 Gb/s HDR InfiniBand adapters a node, section 5).
 
 Megatron-LM's model table (``images/model_table.png``; "MFU" against the H100's 989 TFLOP/s):
 
@@ -44,6 +52,25 @@ The paper prints DP = 4 in the last row (copies of the PDF and of arXiv's HTML p
 arXiv version 3 reads 8); 8 x 16 x 16 x 4 is 8,192 GPUs, not 16,384, and 4 x 16 x 131,072 tokens is 8M, not 16M:
 DP = 8 is the row that adds up, and :class:`PublishedRun` refuses the other.
 
+Narayanan et al. 2021's Table 1 (teraFLOP/s and "percentage of theoretical peak" count the FLOPs of the
+paper's equation 3, which includes the recomputed forward: they are *hardware* FLOPs; labkit's MFU of a row is
+its TFLOP/s times the model's FLOPs over equation 3's, over the A100's 312 TFLOP/s):
+
+=========  =====  ======  ======  ==  ==  ====  =====  ===========  ========  =============
+model      heads  hidden  layers  TP  PP  GPUs  batch  TFLOP/s/GPU  % peak    PFLOP/s total
+=========  =====  ======  ======  ==  ==  ====  =====  ===========  ========  =============
+1.7B       24     2304    24      1   1   32    512    137          44%       4.4
+3.6B       32     3072    30      2   1   64    512    138          44%       8.8
+7.5B       32     4096    36      4   1   128   512    142          46%       18.2
+18.4B      48     6144    40      8   1   256   1024   135          43%       34.6
+39.1B      64     8192    48      8   2   512   1536   138          44%       70.8
+76.1B      80     10240   60      8   4   1024  1792   140          45%       143.8
+145.6B     96     12288   80      8   8   1536  2304   148          47%       227.1
+310.1B     128    16384   96      8   16  1920  2160   155          50%       297.4
+529.6B     128    20480   105     8   35  2520  2520   163          52%       410.2
+1008.0B    160    25600   128     8   64  3072  3072   163          52%       502.0
+=========  =====  ======  ======  ==  ==  ====  =====  ===========  ========  =============
+
 **Strong scaling, read off a figure.**  The README strong-scales "the standard GPT-3 model (slightly more than 175
 billion parameters due to larger vocabulary size)" from 96 to 4,608 H100s at 1,152 sequences per step, "MFU from
 47% to 42%", and plots aggregate PFLOP/s on log-log axes without printing the numbers.  The points were read from
@@ -63,8 +90,9 @@ the sources say so:
   (``megatron/core/transformer/custom_layers/transformer_engine.py``); every row's heads are 128 wide, the
   most the README says FlashAttention supports.  Llama 3: *inferred*, the paper's pre-training sections name
   no attention kernel, but it trains 8K sequences "without activation checkpointing" (section 3.3.2), and the
-  first row's layout stores 386 GB per GPU of activations and states by labkit's memory model with the attention
-  matrices, 94 GB without;
+  first row's layout stores 418 GB per GPU of activations and states by labkit's memory model with the attention
+  matrices, 111 GB without (more than an H100 holds even so: labkit's memory model cannot fit the layout Meta
+  ran, and its planner rejects it);
 - *dropout*: Megatron's ``--attention-dropout`` and ``--hidden-dropout`` default to 0.1 (``arguments.py``;
   ``TransformerConfig`` too) and the README disables neither: masks stored.  Llama 3: *inferred*, the paper
   names no dropout and Meta's reference model (https://github.com/meta-llama/llama3, ``llama/model.py``) has
@@ -79,55 +107,53 @@ the sources say so:
   weights.  Llama 3's FSDP "shards optimizer states and gradients, but for model shards we do not reshard
   after forward computation", and DP tolerates latency "by asynchronously prefetching sharded model weights
   and reducing gradients" (3.3.2): the same traffic.
+- *TP communication overlapped* (``overlap_tp``): the README's ``--tp-comm-overlap``; Llama 3 does not say
+  (not assumed); Narayanan et al. 2021 predates it.
+- *Llama 3's pipeline balanced* (``stage_layers``): "we reduce one Transformer layer each from the first and
+  the last stages" (3.3.2); with one layer per chunk that is 128 chunks of which the first holds only the
+  embedding and the last only the output layer and the loss.
+- *Narayanan et al. 2021*: activation recomputation (their equation 3 "assumes activation recomputation" and
+  Table 1's FLOP/s are counted with it); the interleaved schedule with the scatter/gather optimisation
+  (section 5.1: each TP rank sends ``1 / t`` of a boundary's activations); a GPT with the output layer tied to
+  the embedding (the table's sizes are equation 2's ``12 l h^2 (1 + 13 / 12h + (V + s) / 12lh)``, which counts
+  the vocabulary once); no flash attention (2021), dropout on (Megatron's defaults); plain data parallelism
+  (ZeRO 0: no distributed optimizer in 2021) with fp16 gradients, reduced after the pipeline's schedule
+  (Megatron's ``--DDP-impl local`` of the time all-reduced once ``forward_backward`` returned).
 
 **Unverifiable, assumed the same for every row:** *micro-batches* of 1 sequence (Megatron's own
-``examples/gpt3/train_gpt3_175b_distributed.sh`` uses ``--micro-batch-size 1``; Llama 3 does not say); *the
-interleaved schedule with one layer per virtual stage* wherever PP > 1 (Megatron overlaps pipeline sends, as
-the README says they were, only when interleaving, and the 119B and 462B rows, 23 and 7 layers per stage, allow
-no other count; Llama 3 interleaves and gives up a layer on its first and last stages for the embedding and the
-loss: chunks of one layer, 126 + 2 = 128 slots, 8 per stage, the step predicted on that shape,
-:meth:`PublishedRun.pipeline_shape`, 1.6 % more compute, MFU counted on the 126 layers); *no recomputation*
-(the README does not say; Llama 3 says none at 8K).  The GPT shape is Megatron's default (GELU MLP of 4h,
-LayerNorm, biases, learned positions) with an untied output layer: tied, "7.1B" and "16B" would be 6.6B and
-15.3B; without the position table, 32B, 119B and 462B would round to 31B, 118B and 461B.
+``examples/gpt3/train_gpt3_175b_distributed.sh`` uses ``--micro-batch-size 1``; Llama 3 and Narayanan et al.
+do not say); *the interleaved schedule with one layer per virtual stage* wherever PP > 1 (Megatron overlaps
+pipeline sends, as the README says they were, only when interleaving, and the 119B and 462B rows, 23 and 7
+layers per stage, allow no other count; Llama 3 interleaves with chunks of one layer; Narayanan et al. name the
+interleaved schedule, not its ``v``); *no recomputation* in the README's and Llama 3's runs (the README does not
+say; Llama 3 says none at 8K).  The README's GPT shape is Megatron's default (GELU MLP of 4h, LayerNorm,
+biases, learned positions) with an untied output layer: tied, "7.1B" and "16B" would be 6.6B and 15.3B; without
+the position table, 32B, 119B and 462B would round to 31B, 118B and 461B.
 
-**What labkit's memory model leaves out:** gradients are counted at 2 bytes, sharded under ZeRO-2, where both
-teams keep a stage's fp32 gradients whole (Megatron's README: with bf16 "the grads in this case are not
-distributed"; Llama 3 accumulates them in fp32 over micro-batches): 7-19 GB per GPU more at these layouts
-(:meth:`PublishedRun.uncounted_gradient_bytes`), which every Megatron row as run still fits.  The Llama layout
-as run comes out at 94 GB, over the 80 GB it ran in: the paper frees each stage's input and output tensors
-early, which labkit's count of ``min(m, p) + 1`` micro-batches of whole stages does not see.
-
-**Calibration.**  :data:`EFFICIENCY` (0.647) is the one constant fitted to all of it: the fraction of the
-H100's peak the matrices must reach for the predicted MFU of the eleven runs labkit can express (the third Llama
-row's context parallelism it cannot) to match the published MFU in the least-squares sense
-(:func:`fit_efficiency`).  With it nine of eleven predictions fall within 5 points and all within 9 (``pytest
--s tests/test_costmodel_published.py`` prints each row term by term).  The 16B and 32B rows come out 8.5 and 8.9
-points low.  A tenth and a fifth of their predicted step are TP all-reduces, which Megatron hides behind the
-matrices (``--tp-comm-overlap``) and labkit keeps on the critical path: hidden entirely, they would be 5.3 and
-2.1 points low.  A quarter is their fp32 DP reduce-scatter and gather of weights over 48 replicas, which with 4
-micro-batches per replica only the last one's backward and the first one's forward can hide in labkit's model
-(a ring at 50 GB/s per GPU; no in-network reduction).  And one efficiency for every size cannot follow the
-table's own trend (41 % at 1.7B, 49 % at 16B: the 1.7B is 3.1 points high, the 462B 4.0).
+**Memory, as labkit's model counts it** (:meth:`PublishedRun.memory`: fp32 gradients held whole while a step
+accumulates them, the fullest pipeline rank): every Megatron-LM and Narayanan et al. layout fits in the planner's
+72 of 80 GB.  Llama 3's as run does not: 111 and 101 GB, because the interleaved schedule's warm-up holds 18 of a
+stage's micro-batches of 8K tokens and labkit keeps their activations whole; the paper frees each stage's input
+and output tensors early and balances the first and last stages (3.3.2), which labkit's count does not see.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-from labkit.costmodel.compute import GPUS, mfu, model_flops_per_step
-from labkit.costmodel.memory import TransformerShape, num_parameters
+from labkit.costmodel.compute import GPUS, model_flops_per_step, narayanan_flops
+from labkit.costmodel.memory import TransformerShape
 from labkit.costmodel.planner import Cluster, layout_memory
-from labkit.costmodel.step import Layout, StepTime, predict_step
+from labkit.costmodel.step import Layout
 
 MEGATRON_README = ("NVIDIA, Megatron-LM README, 'Performance Benchmarking' (commit f2e5db402c, 2024-07-15, "
                    "Megatron-Core r0.8.0), https://github.com/NVIDIA/Megatron-LM")
 LLAMA3_PAPER = ("Llama Team, AI @ Meta (Dubey et al.), 'The Llama 3 Herd of Models', 2024, arXiv 2407.21783, "
                 "https://arxiv.org/abs/2407.21783")
-H100 = "H100 80GB"
+NARAYANAN_PAPER = ("Narayanan et al., 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
+                   "Megatron-LM', SC21, arXiv 2104.04473, https://arxiv.org/abs/2104.04473")
+H100, A100 = "H100 80GB", "A100 80GB"
 ARCHITECTURES = ("gpt", "llama")
 
 
@@ -136,11 +162,12 @@ class PublishedRun:
     """One published run: the model, the layout, the throughput measured, how it was run, and the unpublished
     choices that a prediction needs (sources and assumptions in the module docstring).
 
-    ``tflops_per_gpu`` and ``mfu`` are as printed (``mfu`` a fraction); ``tflops_resolution`` is half a unit of
-    the last digit printed (0.05 for 408.8, 5 for 430).  ``global_batch`` counts sequences of ``seq_len``.
-    ``pipeline_layers`` is the layer count the pipeline splits, where it differs from ``num_layers``.
-    ``flash_attention`` and ``dropout`` go to the memory model, ``gradient_bytes`` (4: reduced in fp32) and
-    ``overlap_gather`` (ZeRO-1/2's gather of the weights behind the next forward) to the step model."""
+    ``tflops_per_gpu`` and ``mfu`` are as printed (``mfu`` a fraction; of hardware FLOPs, recomputation
+    included, where ``hardware_flops``); ``tflops_resolution`` is half a unit of the last digit printed (0.05
+    for 408.8, 5 for 430).  ``global_batch`` counts sequences of ``seq_len``.  ``flash_attention`` and
+    ``dropout`` go to the memory model; ``gradient_bytes`` (4: accumulated and reduced in fp32) to both;
+    ``overlap_gather`` (ZeRO-1/2's gather of the weights behind the next forward), ``overlap_tp``,
+    ``overlap_dp`` and ``stage_layers`` (each pipeline chunk's layers, where not even) to the step model."""
 
     name: str
     source: str
@@ -167,11 +194,16 @@ class PublishedRun:
     micro_batch: int = 1
     zero: int = 2
     virtual_stages: int = 1
-    pipeline_layers: int | None = None
+    stage_layers: tuple[int, ...] | None = None
     flash_attention: bool = True
     dropout: bool = True
     gradient_bytes: int = 4
     overlap_gather: bool = True
+    overlap_tp: bool = False
+    overlap_dp: bool = True
+    recompute: bool = False
+    tied_embeddings: bool = False
+    hardware_flops: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -201,17 +233,12 @@ class PublishedRun:
         """The model as built: Megatron-LM's GPT (see the module docstring) or Llama's (RMSNorm, SwiGLU, RoPE, no
         biases, untied output layer)."""
         if self.architecture == "gpt":
-            style = {"learned_positions": True, "tied_embeddings": False}
+            style = {"learned_positions": True, "tied_embeddings": self.tied_embeddings}
         else:
             style = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "learned_positions": False,
                      "tied_embeddings": False}
         return TransformerShape(self.num_layers, self.hidden_size, self.num_heads, self.seq_len, self.vocab_size,
                                 ffn_hidden_size=self.ffn_hidden_size, num_kv_heads=self.num_kv_heads, **style)
-
-    def pipeline_shape(self) -> TransformerShape:
-        """The shape whose step is predicted: :meth:`shape` with ``pipeline_layers`` layers where given."""
-        shape = self.shape()
-        return shape if self.pipeline_layers is None else dataclasses.replace(shape, num_layers=self.pipeline_layers)
 
     def layout(self) -> Layout:
         """The published degrees as a :class:`~labkit.costmodel.step.Layout`, completed as the module docstring
@@ -220,31 +247,28 @@ class PublishedRun:
             raise ValueError(f"{self.name}: context parallelism (cp={self.cp}) is not modelled by labkit's step "
                              f"model; only layouts with cp=1 have a Layout")
         schedule = "interleaved" if self.virtual_stages > 1 else "1f1b"
-        return Layout(self.dp, self.tp, self.pp, self.zero, self.micro_batch, False, schedule, self.virtual_stages)
+        return Layout(self.dp, self.tp, self.pp, self.zero, self.micro_batch, self.recompute, schedule,
+                      self.virtual_stages)
 
-    def memory_options(self) -> dict[str, bool]:
-        """How the run held its activations: :func:`~labkit.costmodel.planner.layout_memory`'s options."""
-        return {"flash_attention": self.flash_attention, "dropout": self.dropout}
+    def memory_options(self) -> dict[str, bool | int]:
+        """How the run held its activations and gradients: :func:`~labkit.costmodel.planner.layout_memory`'s."""
+        return {"flash_attention": self.flash_attention, "dropout": self.dropout,
+                "gradient_bytes": self.gradient_bytes}
 
     def step_options(self) -> dict[str, int | bool]:
-        """How the run communicated: :func:`~labkit.costmodel.step.predict_step`'s options."""
-        return {"gradient_bytes": self.gradient_bytes, "overlap_gather": self.overlap_gather}
+        """How the run communicated: :func:`~labkit.costmodel.planner.plan`'s options for the step model."""
+        return {"gradient_bytes": self.gradient_bytes, "overlap_gather": self.overlap_gather,
+                "overlap_tp": self.overlap_tp}
 
     def plan_options(self) -> dict[str, int | bool]:
         """Both, for :func:`~labkit.costmodel.planner.plan`."""
         return self.memory_options() | self.step_options()
 
     def memory(self, layout: Layout | None = None) -> dict[str, float]:
-        """Bytes per GPU by labkit's memory model of ``layout`` (default: :meth:`layout`) of this run."""
-        return layout_memory(self.pipeline_shape(), self.layout() if layout is None else layout, self.global_batch,
-                             **self.memory_options())
-
-    def uncounted_gradient_bytes(self, layout: Layout | None = None) -> float:
-        """The fp32 gradients of a whole stage that the run keeps, beyond the gradients :meth:`memory` counts
-        (module docstring)."""
+        """Bytes on the fullest GPU by labkit's memory model of ``layout`` (default: :meth:`layout`)."""
         layout = self.layout() if layout is None else layout
-        whole = self.gradient_bytes * num_parameters(self.pipeline_shape()) / (layout.tp * layout.pp)
-        return whole - self.memory(layout)["gradients"]
+        layers = self.stage_layers if layout == self.layout() else None
+        return layout_memory(self.shape(), layout, self.global_batch, stage_layers=layers, **self.memory_options())
 
     def cluster(self, efficiency: float) -> Cluster:
         """The run's GPUs (:data:`labkit.costmodel.compute.GPUS`) at ``efficiency`` of peak on the matrices."""
@@ -256,16 +280,29 @@ class PublishedRun:
         """The model's FLOPs per step (:func:`~labkit.costmodel.compute.model_flops_per_step`)."""
         return model_flops_per_step(self.shape(), self.global_batch)
 
+    def counted_flops(self) -> float:
+        """The FLOPs per step behind the published TFLOP/s: the model's, or with ``hardware_flops`` Narayanan et
+        al.'s equation 3, recomputation included."""
+        if not self.hardware_flops:
+            return self.model_flops()
+        return narayanan_flops(self.global_batch, self.seq_len, self.num_layers, self.hidden_size, self.vocab_size)
+
     def implied_step_s(self) -> float:
-        """The step time the published TFLOP/s per GPU imply, counting the model's FLOPs as labkit does."""
-        return self.model_flops() / (self.gpus * self.tflops_per_gpu * 1e12)
+        """The step time the published TFLOP/s per GPU imply."""
+        return self.counted_flops() / (self.gpus * self.tflops_per_gpu * 1e12)
+
+    @property
+    def model_mfu(self) -> float:
+        """The measured MFU as labkit counts it: the model's FLOPs (no recomputation) over the implied step, over
+        the GPUs' peak.  For Narayanan et al.'s rows, about three quarters of the printed percentage."""
+        return self.model_flops() / self.implied_step_s() / (self.gpus * GPUS[self.gpu].peak_bf16_flops)
 
 
 def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, dp: int, gpus: int, batch: int,
               tflops: float, percent: int, pflops: float) -> PublishedRun:
     return PublishedRun(size, MEGATRON_README + ", images/model_table.png", layers, hidden, heads, 4096, 131072,
                         size, gpus, tp, pp, dp, batch, tflops, 0.05, percent / 100, aggregate_pflops=pflops,
-                        virtual_stages=layers // pp if pp > 1 else 1)
+                        virtual_stages=layers // pp if pp > 1 else 1, overlap_tp=True)
 
 
 MEGATRON_WEAK_SCALING = (
@@ -287,7 +324,7 @@ def _llama(gpus: int, tp: int, cp: int, pp: int, dp: int, seq_len: int, batch_pe
     return PublishedRun(f"405B, {gpus} GPUs, seq {seq_len}", LLAMA3_PAPER + ", Table 4 (shape: Table 3)", 126,
                         16384, 128, seq_len, 128256, "405B", gpus, tp, pp, dp, dp * batch_per_dp, tflops, 5.0,
                         percent / 100, cp=cp, ffn_hidden_size=53248, num_kv_heads=8, architecture="llama",
-                        virtual_stages=8, pipeline_layers=128, dropout=False)
+                        virtual_stages=8, stage_layers=(0,) + (1,) * 126 + (0,), dropout=False)
 
 
 LLAMA3_405B = (
@@ -299,7 +336,31 @@ LLAMA3_405B = (
 LLAMA3_TRAINING_FLOPS = 3.8e25  # section 1: "pre-trained using 3.8 x 10^25 FLOPs", on "15.6T text tokens"
 LLAMA3_TRAINING_TOKENS = 15.6e12
 
-RUNS = MEGATRON_WEAK_SCALING + LLAMA3_405B
+
+def _narayanan(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+               tflops: int, percent: int, pflops: float) -> PublishedRun:
+    return PublishedRun(f"{size} (A100)", NARAYANAN_PAPER + ", Table 1", layers, hidden, heads, 2048, 51200, size,
+                        gpus, tp, pp, gpus // (tp * pp), batch, tflops, 0.5, percent / 100, aggregate_pflops=pflops,
+                        gpu=A100, zero=0, virtual_stages=layers // pp if pp > 1 else 1, flash_attention=False,
+                        gradient_bytes=2, overlap_gather=False, overlap_dp=False, recompute=True,
+                        tied_embeddings=True, hardware_flops=True)
+
+
+NARAYANAN_2021 = (
+    #           size      heads hidden layers TP PP  GPUs batch TFLOP/s %peak PFLOP/s
+    _narayanan("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4),
+    _narayanan("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 44, 8.8),
+    _narayanan("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 46, 18.2),
+    _narayanan("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 34.6),
+    _narayanan("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 70.8),
+    _narayanan("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 143.8),
+    _narayanan("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1),
+    _narayanan("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4),
+    _narayanan("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
+    _narayanan("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
+)
+
+RUNS = MEGATRON_WEAK_SCALING + LLAMA3_405B + NARAYANAN_2021
 
 
 @dataclass(frozen=True)
@@ -341,42 +402,3 @@ def megatron_flops_per_step(shape: TransformerShape, batch: int) -> float:
     gated = 3 / 2 if shape.mlp == "swiglu" else 1
     return 12 * b * s * layers * h * h * ((1 + shape.num_kv_heads / shape.num_heads + s / h) * query_ratio
                                           + shape.ffn_hidden_size / h * gated + shape.vocab_size / (2 * layers * h))
-
-
-# --------------------------------------------------------------------------------------------------------
-# Predicted beside published
-
-
-EFFICIENCY = 0.647  # fit_efficiency(run for run in RUNS if run.modelled), rounded to 0.001
-
-
-def predict(run: PublishedRun, efficiency: float = EFFICIENCY) -> tuple[StepTime, float]:
-    """labkit's predicted step of ``run`` at its :meth:`~PublishedRun.layout`, and the MFU it implies."""
-    step = predict_step(run.pipeline_shape(), run.layout(), run.global_batch, run.cluster(efficiency).hardware(),
-                        **run.step_options())
-    return step, mfu(run.model_flops(), step.step_s, run.gpus, GPUS[run.gpu].peak_bf16_flops)
-
-
-def squared_error(efficiency: float, runs: Iterable[PublishedRun]) -> float:
-    """The sum over ``runs`` of (predicted MFU - published MFU)^2."""
-    return sum((predict(run, efficiency)[1] - run.mfu) ** 2 for run in runs)
-
-
-def fit_efficiency(runs: Iterable[PublishedRun], low: float = 0.3, high: float = 1.0, tolerance: float = 1e-4
-                   ) -> float:
-    """The least-squares efficiency over ``runs``, by golden-section search on ``[low, high]`` (the error is
-    unimodal in it: a faster matrix only shortens a step)."""
-    runs = list(runs)
-    ratio = (math.sqrt(5) - 1) / 2
-    a, b = high - ratio * (high - low), low + ratio * (high - low)
-    error_a, error_b = squared_error(a, runs), squared_error(b, runs)
-    while high - low > tolerance:
-        if error_a < error_b:
-            high, b, error_b = b, a, error_a
-            a = high - ratio * (high - low)
-            error_a = squared_error(a, runs)
-        else:
-            low, a, error_a = a, b, error_b
-            b = low + ratio * (high - low)
-            error_b = squared_error(b, runs)
-    return (low + high) / 2

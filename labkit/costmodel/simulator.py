@@ -1,10 +1,10 @@
 """One training step at any scale, simulated event by event: the pipeline, its sends, the buckets, the gathers.
 
-:func:`labkit.costmodel.step.predict_step` adds closed-form terms: the schedule's makespan, then the DP
-reduction that outlasts one backward, then ZeRO's gathers.  This module runs the same step as a discrete-event
-simulation instead, from the same inputs (:func:`~labkit.costmodel.step.stage_times` for each pass's compute
-and tensor-parallel all-reduces, the ring costs of :mod:`labkit.costmodel.collectives`, the schedule tables of
-:mod:`labkit.parallel.pipeline.schedule`), so that the terms can interact the way they do on a cluster:
+:func:`labkit.costmodel.step.predict_step` places the schedule, then prices the DP and ZeRO traffic beside it
+(GPUs).  This module runs the step as a discrete-event simulation of uniform stages (the model spread evenly:
+:func:`~labkit.costmodel.step.stage_times`, each pass's compute and TP all-reduces; the ring costs of
+:mod:`labkit.costmodel.collectives`; the tables of :mod:`labkit.parallel.pipeline.schedule`), where ranks share
+a CPU's cores (lesson 11's laptop) and the terms can interact the way they do on a cluster:
 
 - each pipeline rank runs its schedule order; a pass starts when the rank is free, its input has *arrived*
   (the producer's pass ended and its send crossed the link; sends on one link queue behind each other) and,
@@ -117,7 +117,7 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
     # data parallelism: this rank's gradients (v chunks), in buckets; ZeRO's gathers of its weights
     local = num_parameters(shape) / (t * p)
     dp_link = _link(hardware, t, d)
-    reduce_cost = ring_reduce_scatter_cost if layout.zero >= 2 else ring_all_reduce_cost
+    reduce_cost = ring_reduce_scatter_cost if layout.zero >= 1 else ring_all_reduce_cost  # ZeRO-1 too (ZeRO, 7.2.1)
     chunk_bytes = local * gradient_bytes / v
     buckets = max(1, math.ceil(chunk_bytes / bucket_bytes))
     bucket_s = reduce_cost(_words(chunk_bytes / buckets), d, dp_link).time_s if d > 1 else 0.0

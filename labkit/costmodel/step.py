@@ -9,6 +9,7 @@ pipeline-parallel terms (the bubble, per-layer all-reduces) join it in their les
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,10 +20,23 @@ from labkit.costmodel.collectives import (
     ring_all_reduce_cost,
     ring_reduce_scatter_cost,
 )
-from labkit.costmodel.compute import model_flops_per_step
-from labkit.costmodel.memory import num_parameters
+from labkit.costmodel.shapes import num_parameters
+from labkit.costmodel.stages import (  # Layout, Hardware and stage_times are imported from here by many
+    Hardware,
+    Layout,
+    _check_divides,
+    chunk_costs,
+    chunk_layers,
+    chunk_parameters,
+    link_of,
+    stage_times,
+)
+from labkit.costmodel.timeline import Pipeline, pipeline
 from labkit.parallel.pipeline import schedule as schedules  # pure data and arithmetic (tests/test_layout.py)
-from labkit.parallel.pipeline.simulate import simulate
+
+__all__ = ["DataParallelStep", "Hardware", "Layout", "StepTime", "closed_form_makespan", "ddp_step_time",
+           "predict_step", "schedule_table", "stage_times"]
+_link = link_of  # the simulator's name for it
 
 
 @dataclass(frozen=True)
@@ -76,69 +90,19 @@ def ddp_step_time(forward_s: float, backward_s: float, optimizer_s: float, bucke
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A 3D configuration: ``dp x tp x pp`` ranks, ZeRO stage over dp, micro-batch size, recomputation and the
-    pipeline schedule (``virtual_stages``: the interleaved schedule's stages per rank)."""
-
-    dp: int
-    tp: int
-    pp: int
-    zero: int = 0
-    micro_batch: int = 1
-    recompute: bool = False
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def label(self) -> str:
-        extra = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} ZeRO-{self.zero} b={self.micro_batch}"
-                f"{' recompute' if self.recompute else ''} {self.schedule}{extra}")
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What a step runs on: FLOP/s one GPU (or rank) achieves on the model's matrices, its links inside a node and
-    across nodes, and how many GPUs a node holds (ranks are numbered node by node, as ``torchrun`` does).
-    ``cores``: where ranks share a node's processor cores (gloo ranks on a CPU), how many — or, measured, a
-    curve: ``cores[n - 1]`` the cores' worth of compute that ``n`` busy ranks get together (8 ranks on 2 cores
-    may get less than 2, evicting each other's caches); ``None`` (GPUs): each rank computes on its own device.
-    Only :mod:`labkit.costmodel.simulator` models the sharing.
-    ``layer_overhead_s``: a fixed cost per layer and forward pass (twice that per backward) beside the FLOPs —
-    the framework's own time per operation, which dominates tiny models on a CPU and is ~0 for large ones on
-    GPUs (:class:`labkit.costmodel.calibration.Calibration` measures both on this machine);
-    ``pass_overhead_s`` the same per pass whatever its layers (embedding, loss, the autograd engine's start).
-    ``straggle``: where ranks share cores, ``straggle[g - 1]`` is how many times their mean the slowest of ``g``
-    ranks takes for the same work started together (the scheduler's time slices are not shared fairly over
-    tens of milliseconds); a synchronisation of ``g`` ranks waits for that one (only the simulator models it:
-    :func:`labkit.costmodel.simulator.straggle_factor`).  Empty: every rank keeps pace."""
-
-    flops: float
-    intra_node: LinkModel
-    inter_node: LinkModel
-    gpus_per_node: int = 8
-    cores: float | tuple[float, ...] | None = None
-    layer_overhead_s: float = 0.0
-    straggle: tuple[float, ...] = ()
-    pass_overhead_s: float = 0.0
-
-
-@dataclass(frozen=True)
 class StepTime:
-    """One predicted step, each term apart (seconds).  ``forward_s`` and ``backward_s`` are one micro-batch on
-    one stage, tensor-parallel all-reduces included; ``pipeline_s`` the schedule's makespan with them."""
+    """One predicted step, each term apart (seconds), on the pipeline rank that bounds it (the slowest: the last
+    one, which holds the output layer).  ``forward_s`` and ``backward_s`` are one micro-batch on that rank's
+    stages, tensor-parallel all-reduces included; ``bubble_s`` and ``pp_send_s`` what the schedule adds."""
 
     layout: Layout
     microbatches: int
-    compute_s: float  # every micro-batch's forward and backward on one stage, without communication
-    tp_s: float  # the all-reduces inside them (on the critical path)
-    bubble_s: float  # the stage's idle time in the schedule
-    pp_send_s: float  # the sends on the critical path (one per boundary and micro-batch, each way)
-    dp_s: float  # the data-parallel reduction left after the last backward (exposed)
-    zero_s: float  # ZeRO-1/2's all-gather of updated weights, FSDP's exposed gathers
+    compute_s: float  # every micro-batch's forward and backward on the rank, without communication
+    tp_s: float  # the all-reduces inside them (on the critical path; with overlap_tp what outlasts the compute)
+    bubble_s: float  # the schedule's makespan with free sends, less the rank's own work
+    pp_send_s: float  # what the sends add to the makespan (one per boundary and micro-batch, each way)
+    dp_s: float  # the data-parallel reduction: what outlasts the backward, and what the hidden part slows
+    zero_s: float  # ZeRO-1/2's all-gather of updated weights, FSDP's gathers: exposed, and the slowdown
     forward_s: float
     backward_s: float
 
@@ -149,15 +113,6 @@ class StepTime:
     def parts(self) -> dict[str, float]:
         return {"compute": self.compute_s, "tp": self.tp_s, "bubble": self.bubble_s, "pp send": self.pp_send_s,
                 "dp": self.dp_s, "zero": self.zero_s}
-
-
-def _link(hardware: Hardware, stride: int, size: int) -> LinkModel:
-    """The link of a group of ``size`` ranks ``stride`` apart in the (pp, dp, tp) grid: its ranks span
-    ``stride * size`` consecutive ranks from a multiple of that, so it lies inside one node of ``G`` GPUs when
-    that span divides ``G``; else it crosses nodes."""
-    span = stride * size
-    inside = span <= hardware.gpus_per_node and hardware.gpus_per_node % span == 0
-    return hardware.intra_node if inside else hardware.inter_node
 
 
 _TABLES: dict[str, Callable[[int, int, int], schedules.Schedule]] = {
@@ -178,86 +133,264 @@ def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> schedules.Sched
 def closed_form_makespan(schedule: str, p: int, m: int, forward_s: float, backward_s: float, v: int = 1) -> float:
     """A schedule's makespan for uniform stages and free sends: ``m (F + B)`` plus its bubble, ``(p - 1)(F + B)``
     for GPipe and 1F1B, ``(p - 1)(F + B) / v`` interleaved (``F``, ``B``: a whole stage's, per micro-batch),
-    ``(p - 1) F`` for ZB-H1 (``W = B / 2``: Qi et al. 2023's ``(p - 1)(F + B - 2W)``).  The simulator gives
-    exactly these (tested); with sends it can only be longer, so this bounds a layout's step from below."""
+    ``(p - 1) max(F, B / 2)`` for ZB-H1, whose backward splits into ``I`` and ``W`` of ``B / 2`` each: the
+    deferred ``W``'s fill the cool-down, and each stage downstream still costs the longer of a forward and an
+    input gradient (Qi et al. 2023's ``(p - 1)(F + B - 2W)`` with their ``F = B = W``; ``(p - 1) F`` while
+    ``B <= 2 F``, more with recomputation).  The simulator gives exactly these (tested); with sends it can only
+    be longer, so this bounds a layout's step from below."""
     bubble = {"gpipe": (p - 1) * (forward_s + backward_s), "1f1b": (p - 1) * (forward_s + backward_s),
-              "interleaved": (p - 1) * (forward_s + backward_s) / v, "zb-h1": (p - 1) * forward_s}
+              "interleaved": (p - 1) * (forward_s + backward_s) / v,
+              "zb-h1": (p - 1) * max(forward_s, backward_s / 2)}
     if schedule not in bubble:
         raise ValueError(f"schedule must be one of {tuple(bubble)}, got {schedule!r}")
     return m * (forward_s + backward_s) + bubble[schedule]
 
 
-def stage_times(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2
-                ) -> tuple[int, int, float, float, float, float]:
-    """``(m, v, forward, backward, tp_forward, tp_backward)``: micro-batches per step, stages per rank, and one
-    micro-batch's compute and TP all-reduce seconds on one rank's stages (see :func:`predict_step`)."""
-    d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
-    if global_batch % (d * b):
-        raise ValueError(f"the global batch {global_batch} must split into dp={d} replicas of micro-batches of "
-                         f"b={b} sequences (global_batch % (dp * b) == 0)")
-    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
-    if shape.num_layers % (p * v):
-        raise ValueError(f"{p * v} pipeline stages do not divide the {shape.num_layers} layers")
-    flops = model_flops_per_step(shape, b, recompute=layout.recompute) / (t * p)
-    passes = 4 if layout.recompute else 3  # forward, backward (2x), and the forward again when recomputing
-    layers = shape.num_layers // p
-    forward = flops / passes / hardware.flops + hardware.layer_overhead_s * layers + hardware.pass_overhead_s
-    one = ring_all_reduce_cost(b * shape.seq_len * shape.hidden_size * value_bytes, t,
-                               _link(hardware, 1, t)).time_s if t > 1 else 0.0
-    return (global_batch // (d * b), v, forward, forward * (passes - 1), 2 * layers * one,
-            (2 + 2 * layout.recompute) * layers * one)
+def _overlapped(communication: float, compute: float, slowdown: float) -> float:
+    """What ``communication`` hidden behind ``compute`` costs: the part that outlasts it, and the slowdown of the
+    part it hid (:data:`labkit.costmodel.hardware.OVERLAP_SLOWDOWN`)."""
+    return max(0.0, communication - compute) + slowdown * min(communication, compute)
+
+
+def _queue(ready: list[float], cost: float) -> float:
+    """When a link that sends one message of ``cost`` seconds at a time, each once it is ready, is done."""
+    finished = 0.0
+    for when in sorted(ready):
+        finished = max(finished, when) + cost
+    return finished
+
+
+@functools.lru_cache(maxsize=4096)
+def _ring_time(cost: Callable[..., Any], nbytes: int, ranks: int, link: LinkModel, element_size: int) -> float:
+    """``cost``'s seconds (a ring cost of :mod:`labkit.costmodel.collectives`), once per distinct message."""
+    return cost(nbytes, ranks, link, element_size=element_size).time_s
+
+
+def _whole(nbytes: float, element_size: int) -> int:
+    """Bytes rounded down to whole elements (the ring cost models count elements)."""
+    return int(nbytes) - int(nbytes) % element_size
+
+
+def _passes(costs: Any, overlap_tp: bool, slowdown: float) -> tuple[list[float], list[float], list[float]]:
+    """TP's cost on each pass (forward passes, then backward; what outlasts the compute and the slowdown where
+    ``overlap_tp``), and each chunk's forward and backward with it."""
+    chunks = len(costs.compute_forward)
+    tp_cost = [(_overlapped(comm, compute, slowdown) if overlap_tp else comm)
+               for comm, compute in zip(costs.tp_forward + costs.tp_backward,
+                                        costs.compute_forward + costs.compute_backward, strict=True)]
+    forward = [c + x for c, x in zip(costs.compute_forward, tp_cost[:chunks], strict=True)]
+    backward = [c + x for c, x in zip(costs.compute_backward, tp_cost[chunks:], strict=True)]
+    return tp_cost, forward, backward
+
+
+def tp_in_node(hardware: Hardware, t: int) -> bool:
+    """Whether every TP group of ``t`` neighbouring ranks lies inside one node (``t`` divides the node)."""
+    return t <= hardware.gpus_per_node and hardware.gpus_per_node % t == 0
+
+
+def send_time(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int = 2, sequence_parallel: bool = True
+              ) -> float:
+    """One pipeline send of a micro-batch's activations (or their gradients) between stages ``d t`` ranks apart:
+    ``b s h / t`` values per GPU (each TP rank sends its part), ``b s h`` without sequence parallelism."""
+    link = link_of(hardware, layout.dp * layout.tp, layout.pp)
+    nbytes = layout.micro_batch * shape.seq_len * shape.hidden_size * value_bytes
+    nbytes /= layout.tp if sequence_parallel else 1
+    return link.alpha_s + nbytes * link.beta_s_per_byte + hardware.call_latency_s
 
 
 def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2,
-                 gradient_bytes: int | None = None, overlap_dp: bool = True, overlap_gather: bool = False
-                 ) -> StepTime:
+                 gradient_bytes: int | None = None, overlap_dp: bool = True, overlap_gather: bool = False,
+                 overlap_tp: bool = False, stage_layers: tuple[int, ...] | None = None,
+                 head_on_last_stage: bool = True, sequence_parallel: bool = True,
+                 reshard_after_forward: bool = True) -> StepTime:
     """One training step of ``shape`` (a :class:`labkit.costmodel.memory.TransformerShape`) under ``layout`` on
     ``hardware``, each term apart (:class:`StepTime`).
 
-    - **compute**: the model's FLOPs (:func:`labkit.costmodel.compute.model_flops_per_step`, recomputation
-      included when ``layout.recompute``) split evenly over the ``t p`` model-parallel ranks, at
-      ``hardware.flops``; backward twice the forward (three times with recomputation).
-    - **TP**: per layer and micro-batch, two ring all-reduces of ``b s h`` values in the forward and two in the
-      backward (two more with recomputation: the forward runs again), over the intra-node link while a TP
-      group fits in a node (ranks ``1`` apart), else the inter-node one; on the critical path.
-    - **PP**: the schedule's own table (:mod:`labkit.parallel.pipeline.schedule`), placed in time by the
-      pipeline simulator with each stage's forward and backward (TP included) and one send of ``b s h`` values
-      per boundary crossing (stages are ``d t`` ranks apart); the bubble is the schedule's idle time.
-    - **DP**: one ring all-reduce (ZeRO-2, FSDP: a reduce-scatter) of the stage's ``Psi / (t p)`` gradients
-      over the ``d`` replicas (``t`` ranks apart), started as the last backward runs: with ``overlap_dp`` only
-      what outlasts one micro-batch's backward is exposed.  ZeRO-1/2 then all-gather the updated weights
-      (exposed; with ``overlap_gather``, as Megatron's ``--overlap-param-gather``, hidden behind the next
-      step's first forward but for what outlasts it); FSDP gathers each stage's weights before every forward and backward, hidden behind the compute
-      it prefetches for, exposed where it is longer.
+    - **compute and TP**, chunk by chunk (:func:`labkit.costmodel.stages.chunk_costs`): each chunk's layers,
+      the output layer on the last (``head_on_last_stage=False``: the whole model spread evenly, a balanced
+      pipeline), at ``hardware.flops`` over the ``t`` ranks of its TP group; two ring all-reduces of ``b s h``
+      values per layer each way (two more backward when recomputing), on the intra-node link while a TP group
+      fits in a node, on the critical path (``overlap_tp``: hidden behind the pass's own compute, as
+      Megatron's ``--tp-comm-overlap``, but for what outlasts it and the slowdown it causes; only for a TP
+      group inside one node: Transformer Engine's userbuffers, which do that overlap, need "tensor-parallel
+      GPUs ... on a single node, and connected over NVLink/NVSwitch", ``examples/pytorch/comm_gemm_overlap``
+      of NVIDIA/TransformerEngine; across nodes the all-reduces stay on the critical path).
+    - **PP**: the schedule's own table (:mod:`labkit.parallel.pipeline.schedule`) placed in time by the
+      pipeline simulator with each chunk's forward and backward and one send per boundary crossing (stages
+      ``d t`` ranks apart) of ``b s h / t`` values per GPU (each TP rank sends its part: the sequence-parallel
+      shard, or Megatron's scatter/gather; ``sequence_parallel=False``: ``b s h``).  The bubble is the
+      makespan with free sends less the bounding rank's own work; the sends add the rest.
+    - **DP**: each rank's gradients (``gradient_bytes`` a parameter, default ``value_bytes``) reduced over the
+      ``d`` replicas (``t`` ranks apart), all-reduced; under ZeRO (1, 2 and FSDP) reduce-scattered, each rank
+      keeping the share it updates, then the updated weights all-gathered: the same ``2 Psi`` volume as the
+      all-reduce (Rajbhandari et al. 2020, "ZeRO", section 7.2.1; Megatron's distributed optimizer, ZeRO-1 by
+      memory, reduce-scatters too), ``hardware.call_latency_s`` a collective.  With ``hardware.dp_bucket_elements`` set, in buckets that leave as the chunk's last
+      backward produces them, one at a time, placed on the schedule's timeline: what outlasts the pipeline is
+      exposed, and the hidden part slows the compute it hid behind by ``hardware.overlap_slowdown``.  Without
+      it, the ideal stream (exercise 11's): only what outlasts the rank's last backward is exposed.
+      ``overlap_dp=False``: all after the rank's schedule.
+    - **ZeRO**: ZeRO-1/2 all-gather the updated weights (exposed; ``overlap_gather``, as Megatron's
+      ``--overlap-param-gather``, bucket by bucket behind the next step's first forward on each rank); FSDP
+      (ZeRO-3) gathers each layer's weights before every micro-batch's forward and again before its backward,
+      prefetched behind the compute before (``reshard_after_forward=False``: once a micro-batch, before the
+      forward, the weights kept until the backward, as Llama 3 runs it, Dubey et al. 2024, section 3.3.2).
     """
-    d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
-    m, v, forward, backward, tp_forward, tp_backward = stage_times(shape, layout, global_batch, hardware, value_bytes)
-    gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
-    # the pipeline: the schedule's table, placed in time
-    send = 0.0
-    if p > 1:
-        link = _link(hardware, d * t, p)
-        send = link.alpha_s + b * shape.seq_len * shape.hidden_size * value_bytes * link.beta_s_per_byte
+    d, p, b = layout.dp, layout.pp, layout.micro_batch
     if layout.schedule not in _TABLES:
         raise ValueError(f"schedule must be one of {tuple(_TABLES)}, got {layout.schedule!r}")
-    whole_f, whole_b = forward + tp_forward, backward + tp_backward
-    without_sends = closed_form_makespan(layout.schedule, p, m, whole_f, whole_b, v)  # the simulator's, exactly
-    total = simulate(schedule_table(layout.schedule, p, m, v), whole_f / v, whole_b / v, send_s=send).total if send \
-        else without_sends
-    pp_send = total - without_sends
-    bubble = without_sends - m * (whole_f + whole_b)
-    # DP, and ZeRO's gathers
-    local = num_parameters(shape) / (t * p)
-    dp_link = _link(hardware, t, d)
+    _check_divides(shape, layout, global_batch, stage_layers)
+    m, v, chunks = global_batch // (d * b), layout.chunks // p, layout.chunks
+    gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
+    slowdown = hardware.overlap_slowdown
+    costs = chunk_costs(shape, layout, hardware, value_bytes, stage_layers, head_on_last_stage)
+    tp_cost, forward, backward = _passes(costs, overlap_tp and tp_in_node(hardware, layout.tp), slowdown)
+    ranks = [(sum(forward[r::p]), sum(backward[r::p])) for r in range(p)]
+    bound = max(range(p), key=lambda r: (sum(ranks[r]), r))  # the rank with the most work a micro-batch
+    # the pipeline: each rank's order placed in time, without and with its sends
+    timeline: Pipeline | None = None
+    total = without_sends = m * sum(ranks[0])
+    if p > 1:
+        send = send_time(shape, layout, hardware, value_bytes, sequence_parallel)
+        timeline = pipeline(layout.schedule, p, m, v, forward, backward, send)
+        total = timeline.total
+        without_sends = pipeline(layout.schedule, p, m, v, forward, backward).total if send else total
+    own = m * sum(ranks[bound])
+    tp_s = m * (sum(tp_cost[c] for c in range(bound, chunks, p)) + sum(tp_cost[chunks + c]
+                                                                           for c in range(bound, chunks, p)))
+    compute_s = own - tp_s
     dp_s = zero_s = 0.0
     if d > 1:
-        reduce = (ring_reduce_scatter_cost if layout.zero >= 2 else ring_all_reduce_cost)(
-            int(local) * gradient_bytes, d, dp_link, element_size=gradient_bytes).time_s
-        dp_s = max(0.0, reduce - (backward + tp_backward if overlap_dp else 0.0))
-        gather = ring_all_gather_cost(int(local) * value_bytes, d, dp_link, element_size=value_bytes).time_s
-        if layout.zero in (1, 2):  # the updated weights, before the next step (behind its first forward)
-            zero_s = max(0.0, gather - (forward + tp_forward)) if overlap_gather else gather
-        elif layout.zero == 3:  # every micro-batch's forward and backward gather the stage, prefetched
-            zero_s = m * (max(0.0, gather - forward) + max(0.0, gather - backward))
-    return StepTime(layout, m, m * (forward + backward), m * (tp_forward + tp_backward), bubble, pp_send, dp_s,
-                    zero_s, forward + tp_forward, backward + tp_backward)
+        dp_s, zero_s = _data_parallel(shape, layout, hardware, m, forward, backward, ranks, timeline, total,
+                                      value_bytes, gradient_bytes, overlap_dp, overlap_gather, stage_layers, costs,
+                                      balanced=not head_on_last_stage, reshard=reshard_after_forward)
+    return StepTime(layout, m, compute_s, tp_s, without_sends - own, total - without_sends, dp_s, zero_s,
+                    ranks[bound][0], ranks[bound][1])
+
+
+def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2,
+                gradient_bytes: int | None = None, overlap_dp: bool = True, overlap_gather: bool = False,
+                overlap_tp: bool = False, sequence_parallel: bool = True) -> float:
+    """What :func:`predict_step` (same arguments) can give no less than, without placing the schedule: for each
+    rank, the first micro-batch's forward through the ranks before it, its own work over the step, and the last
+    micro-batch's backward back through them, each crossing a send (ZB-H1's weight gradients may wait: no way
+    back); the schedule's closed form with every stage as light as the lightest (a makespan only grows with any
+    pass), each pass with its TP all-reduces as :func:`predict_step` prices them; and the least the DP reduction
+    and ZeRO's gathers can add.  The planner simulates only layouts whose bound beats its ``top``-th best step."""
+    p, m = layout.pp, global_batch // (layout.dp * layout.micro_batch)
+    costs = chunk_costs(shape, layout, hardware, value_bytes)
+    chunks = layout.chunks
+    _, forward, backward = _passes(costs, overlap_tp and tp_in_node(hardware, layout.tp), hardware.overlap_slowdown)
+    ranks = [(sum(forward[r::p]), sum(backward[r::p])) for r in range(p)]
+    bound = m * sum(ranks[0])
+    if p > 1:
+        send = send_time(shape, layout, hardware, value_bytes, sequence_parallel)
+        fill = back = 0.0
+        for rank in range(p):  # chunk `rank` is each rank's first: micro-batch 0 reaches it through 0..rank-1
+            bound = max(bound, fill + m * sum(ranks[rank]) + back)
+            fill += forward[rank] + send
+            back += 0.0 if layout.schedule == "zb-h1" else backward[rank] + send
+        bound = max(bound, closed_form_makespan(layout.schedule, p, m, *min(ranks, key=sum), chunks // p))
+    if layout.dp > 1:
+        gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
+        bound += sum(_data_parallel(shape, layout, hardware, m, forward, backward, ranks, None, bound, value_bytes,
+                                    gradient_bytes, overlap_dp, overlap_gather, None, costs, False, floor=True))
+    return bound
+
+
+def _last_gradients(timeline: Pipeline | None, rank: int, p: int, chunks: int, total: float,
+                    backward: list[float]) -> dict[int, tuple[float, float]]:
+    """``chunk -> (start, end)`` of the pass that completes each of ``rank``'s chunks' gradients (its last B, or
+    W where the backward is split)."""
+    if timeline is None:  # one stage: its last backward closes the step
+        return {0: (total - backward[0], total)}
+    return {chunk: timeline.last_gradient[chunk] for chunk in range(rank, chunks, p)}
+
+
+def _data_parallel(shape: Any, layout: Layout, hardware: Hardware, m: int, forward: list[float],
+                   backward: list[float], ranks: list[tuple[float, float]], timeline: Pipeline | None,
+                   total: float, value_bytes: int, gradient_bytes: int, overlap_dp: bool, overlap_gather: bool,
+                   stage_layers: tuple[int, ...] | None, costs: Any, balanced: bool,
+                   floor: bool = False, reshard: bool = True) -> tuple[float, float]:
+    """The DP reduction and ZeRO's gathers of :func:`predict_step`, each the worst over the pipeline ranks
+    (``balanced``: every chunk holds an equal share of the parameters, as the balanced pipeline assumes).
+    ``floor``: without a timeline, the least the two can be (the planner's bound): the hidden parts' slowdown,
+    and the bucket the last pass of the schedule leaves, or the weights' first bucket before any forward."""
+    d, t, p, chunks = layout.dp, layout.tp, layout.pp, layout.chunks
+    link, slowdown, latency = link_of(hardware, t, d), hardware.overlap_slowdown, hardware.call_latency_s
+    reduce = ring_reduce_scatter_cost if layout.zero >= 1 else ring_all_reduce_cost
+    parameters = ([num_parameters(shape) / (t * chunks)] * chunks if balanced  # per GPU
+                  else [count / t for count in chunk_parameters(shape, layout, stage_layers)])
+    bucket = None if hardware.dp_bucket_elements is None else max(hardware.dp_bucket_elements, 1_000_000 * d)
+
+    def pieces(elements: float) -> tuple[int, float]:  # how many buckets, and the elements of each
+        count = 1 if bucket is None else max(1, math.ceil(elements / bucket))
+        return count, elements / count
+
+    def reduction(elements: float) -> float:
+        return _ring_time(reduce, _whole(elements * gradient_bytes, gradient_bytes), d, link, gradient_bytes) + latency
+
+    def gather(elements: float) -> float:
+        return _ring_time(ring_all_gather_cost, _whole(elements * value_bytes, value_bytes), d, link,
+                          value_bytes) + latency
+
+    dp_worst = zero_worst = 0.0
+    dp_floors, zero_floors, sents = [], [], []
+    for rank in range(p):
+        own = list(range(rank, chunks, p))
+        elements = sum(parameters[c] for c in own)
+        # the gradients' reduction
+        if bucket is None:  # the ideal stream, beside the rank's last (whole) backward
+            sent = reduction(elements)
+            exposed = max(0.0, sent - (ranks[rank][1] if overlap_dp else 0.0))
+            dp_floors.append(exposed + slowdown * (sent - exposed))
+        else:
+            split = [(pieces(parameters[chunk]), chunk) for chunk in own]
+            ones = [(count, reduction(size), chunk) for (count, size), chunk in split]
+            sent = sum(count * one for count, one, _ in ones)
+            sents.append(sent)
+            least = sent if not overlap_dp else min(one for _, one, _ in ones)
+            dp_floors.append(least + slowdown * (sent - least))
+            if floor:
+                continue
+            closing = _last_gradients(timeline, rank, p, chunks, total, backward)
+            ready = []
+            for count, _, chunk in ones:
+                start, end = closing[chunk]
+                ready += ([start + (end - start) * (k + 1) / count for k in range(count)] if overlap_dp
+                          else [max(e for _, e in closing.values())] * count)
+            exposed = max(0.0, _queue(ready, sent / len(ready)) - total)
+        dp_worst = max(dp_worst, exposed + slowdown * (sent - exposed))
+        # ZeRO's gathers
+        if layout.zero in (1, 2):
+            count, size = pieces(elements)
+            one = gather(size)
+            if not overlap_gather:
+                exposed = count * one
+            elif floor:  # the first rank's first forward waits for its first bucket
+                zero_floors.append(slowdown * count * one + (one * (1 - slowdown) if rank == 0 else 0.0))
+                continue
+            else:  # behind the next step's first forward on this rank, bucket by bucket
+                first = _first_forward(timeline, rank, forward)
+                exposed = max(0.0, max((k + 1) * one - (first[0] + first[1] * k / count) for k in range(count)))
+            zero_worst = max(zero_worst, exposed + slowdown * (count * one - exposed))
+        elif layout.zero == 3:  # each chunk gathered before every forward and backward, prefetched
+            spent = 0.0
+            for chunk in own:
+                units = max(1, chunk_layers(shape, layout, stage_layers)[chunk])  # FSDP wraps each layer
+                whole = units * gather(parameters[chunk] / units)
+                passes = (costs.compute_forward[chunk], costs.compute_backward[chunk])
+                for compute in (passes if reshard else passes[:1]):
+                    spent += m * _overlapped(whole, compute, slowdown)
+            zero_worst = max(zero_worst, spent)
+    if floor:  # the last pass of the schedule is some rank's: at least the least of the ranks' floors
+        dp_low = max([min(dp_floors)] + [slowdown * f for f in sents]) if bucket is not None else max(dp_floors)
+        return dp_low, max([zero_worst] + zero_floors)
+    return dp_worst, zero_worst
+
+
+def _first_forward(timeline: Pipeline | None, rank: int, forward: list[float]) -> tuple[float, float]:
+    """``(start, length)`` of ``rank``'s first forward in the step."""
+    if timeline is None:
+        return 0.0, forward[0]
+    start, end = timeline.first_forward[rank]
+    return start, end - start

@@ -16,17 +16,22 @@ so on (Rényi 1953).  The ``k``-th fastest therefore finishes after ``mu (1/N + 
 (``k = N``) after ``mu H_N``, about ``mu (ln N + 0.577)``: a synchronous step grows with the log of the number
 of workers even when no worker is slow on average.
 
-=======  ==========================================================  ==============================  ===========
-mode     seconds per update (expected)                               gradients applied per update    staleness
-=======  ==========================================================  ==============================  ===========
-sync     ``compute + 2 message + mu H_N`` (``+ slow_s`` if fixed)    ``N``                           0
-backup   ``compute + 2 message + mu (H_N - H_b)``; a fixed straggler ``N - b``                       0
-         is one of the ``b`` dropped
-async    ``1 / sum_i 1 / c_i``, ``c_i = compute + 2 message + mu +   1                               ``N - 1``
-         slow_i`` the worker's mean round trip
-ssp      between sync (``s = 0``) and async (large ``s``): no closed form here; simulate it
-         (``labkit.parallel.ps_simulate``)
-=======  ==========================================================  ==============================  ===========
+=============  =================================================  =========================  ======================
+mode           seconds per update (expected)                      gradients applied per      staleness
+                                                                  update
+=============  =================================================  =========================  ======================
+sync           ``compute + 2 message + mu H_N`` (``+ slow_s`` if  ``N``                      0
+               fixed)
+backup         ``compute + 2 message + mu (H_N - H_b)``; a fixed  ``N - b``                  0
+               straggler is one of the ``b`` dropped
+async          ``1 / sum_i 1 / c_i``, ``c_i = compute + 2         1                          ``N - 1``
+               message + mu + slow_i`` the worker's round trip
+ssp            a fixed straggler: ``c_slow / N`` in the long run  1                          not bounded by ``s``
+               (no worker gets more than ``s`` clocks ahead of
+               it, so all go at its pace); random delays: between
+               sync (``s = 0``) and async, simulate it
+bounded_delay  between sync (``tau = 0``) and async: simulate it  1 or more                   ``<= tau``
+=============  =================================================  =========================  ======================
 
 *Synchronous* training waits for the slowest gradient, so a fixed straggler sets every step.  Dean et al.
 (2012, "Large Scale Distributed Deep Networks", Downpour SGD) took the other way out: *asynchronous* workers
@@ -47,6 +52,12 @@ simulated step is slower than this formula by 0.25 to 0.45 ``mu`` (``N`` from 4 
 synchronous training, which waits ``mu H_b`` longer than the formula (``tests/test_ps_simulate.py`` measures
 both).
 
+The two bounded rules bound different things.  Ho et al. (2013)'s *Stale Synchronous Parallel* bounds how far
+apart the workers' clocks (gradients sent) may drift: a worker ``s`` clocks ahead of the slowest waits, so over a
+long run every worker sends as many gradients as the slowest, give or take ``s + 1``, and a persistent straggler
+sets the pace of all; a transient one is absorbed.  A *bounded delay* ``tau`` (Li et al. 2014) bounds the
+staleness of every applied gradient instead; the clocks may drift apart for ever.
+
 Step sizes compare the modes fairly by *gradients per second*: the server moves the weights by ``lr / N`` per
 applied gradient in every mode (``lr / (N - b)`` with backups), so ``N`` asynchronous updates travel as far as
 one synchronous step.
@@ -58,7 +69,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MODES = ("sync", "async", "ssp", "backup")
+MODES = ("sync", "async", "ssp", "bounded_delay", "backup")
 
 
 def harmonic(n: int) -> float:
@@ -152,21 +163,24 @@ class Throughput:
 def throughput(mode: str, workers: int, compute_s: float, message_s: float = 0.0, exponential_mean_s: float = 0.0,
                slow_s: float = 0.0, backup_workers: int = 0) -> Throughput | None:
     """Updates and gradients per second of ``mode`` (the module docstring's table) with ``workers`` workers,
-    ``exponential_mean_s`` of random delay on every gradient and/or one worker ``slow_s`` slower; None for
-    ``"ssp"``, which has no closed form here.  ``backup_workers`` belongs to ``"backup"``."""
+    ``exponential_mean_s`` of random delay on every gradient and/or one worker ``slow_s`` slower; None where the
+    table has no closed form (``"bounded_delay"``, and ``"ssp"`` with random delays).  ``backup_workers`` belongs
+    to ``"backup"``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "backup" and backup_workers:
         raise ValueError(f"backup_workers belongs to mode='backup', got mode={mode!r}, backup_workers={backup_workers}")
     _check_workers(workers, backup_workers)
     _non_negative(compute_s=compute_s, message_s=message_s, exponential_mean_s=exponential_mean_s, slow_s=slow_s)
-    if mode == "ssp":
+    if mode == "bounded_delay" or (mode == "ssp" and exponential_mean_s > 0):
         return None
-    if mode == "async":
+    if mode in ("async", "ssp"):
         fast = compute_s + 2 * message_s + exponential_mean_s
         if not fast > 0:
-            raise ValueError("async needs compute_s + 2 message_s + exponential_mean_s > 0: a worker whose round "
+            raise ValueError(f"{mode} needs compute_s + 2 message_s + exponential_mean_s > 0: a worker whose round "
                              "trip takes no time would make infinitely many updates")
+        if mode == "ssp":  # every worker at the slowest one's pace, N gradients per round trip of it
+            return Throughput(mode, (fast + slow_s) / workers, 1)
         round_trips = [fast] * (workers - 1) + [fast + slow_s]
         return Throughput(mode, async_update_s(round_trips), 1)
     seconds = sync_update_s(workers, compute_s, message_s, exponential_mean_s, slow_s, backup_workers)

@@ -33,6 +33,7 @@ output, a reduce-scatter's input.  :func:`tensor_parallel_collectives` lists eve
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from labkit.costmodel.collectives import (
@@ -138,11 +139,13 @@ _COSTS = {"all_reduce": ring_all_reduce_cost, "all_gather": ring_all_gather_cost
 
 @dataclass(frozen=True)
 class TensorParallelStep:
-    """Predicted time of one tensor-parallel step (seconds): compute split ``t`` ways, then communication."""
+    """Predicted time of one tensor-parallel step on one rank (seconds): its compute, then its collectives, none
+    of them overlapped.  ``whole_s`` is the part of ``compute_s`` that every rank repeats whole."""
 
     compute_s: float
     communication_s: float
     collectives: int
+    whole_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -150,36 +153,98 @@ class TensorParallelStep:
 
 
 def tensor_parallel_step_time(config: GPTConfig, micro_batch: int, seq_len: int, tp_degree: int,
-                              dense_compute_s: float, link: LinkModel, sequence_parallel: bool = False,
-                              micro_batches: int = 1) -> TensorParallelStep:
-    """``dense_compute_s / t`` (the matrices split evenly; the replicated norms and the loss are small) plus
-    every collective's ring cost over ``link``, none hidden: on the critical path, as in Megatron without
-    overlap.  ``dense_compute_s``: one process's step time for the same micro-batches."""
+                              dense_compute_s: float, link: LinkModel | None = None, sequence_parallel: bool = False,
+                              micro_batches: int = 1, *, whole_s: float = 0.0, slowdown: float = 1.0,
+                              collective_s: Callable[[Collective], float] | None = None) -> TensorParallelStep:
+    """One step of ``tp_degree`` ranks, from ``dense_compute_s``, one process's step on the same micro-batches::
+
+        compute       = (whole_s + (dense_compute_s - whole_s) / t) * slowdown
+        communication = the cost of every collective (:func:`tensor_parallel_collectives`)
+
+    - ``whole_s``: the part of one process's step that the split does not divide, which every rank runs whole:
+      the norms, residual additions, embedding lookup, the loss's softmax, the optimizer's arithmetic, and the
+      framework's fixed cost per operation (split or not).  0 (the default) for large layers on GPUs, where
+      the matrices are nearly all of it; a large share of a tiny model's step on a CPU
+      (``labkit.parallel.tensor.timing.SplitKernels`` measures it).
+    - ``slowdown``: how many times slower each rank computes when all ``t`` compute at once than one process
+      alone: 1 on a device per rank; on shared CPU cores at least ``t / cores``, and more for the shared caches
+      (``labkit.parallel.tensor.timing.shared_machine_costs`` measures it).
+    - each collective costs its ring time over ``link`` (``labkit.costmodel.collectives``), or
+      ``collective_s(call)`` seconds, a cost measured on the machine itself.
+
+    Nothing is hidden: every collective sits on the critical path, as labkit runs them.  (Megatron-LM's
+    ``--tp-comm-overlap`` and PyTorch's async tensor parallelism hide part of them behind the matrix products,
+    by cutting each product into chunks and sending one chunk while the next is computed.)"""
     if not dense_compute_s >= 0:
         raise ValueError(f"dense_compute_s must be a number >= 0, got {dense_compute_s!r}")
+    if not 0 <= whole_s <= dense_compute_s:
+        raise ValueError(f"whole_s must lie between 0 and dense_compute_s={dense_compute_s!r}, got {whole_s!r}")
+    if not slowdown > 0:
+        raise ValueError(f"slowdown must be a number > 0, got {slowdown!r}")
     calls = tensor_parallel_collectives(config, micro_batch, seq_len, tp_degree, sequence_parallel, micro_batches)
-    seconds = sum(_COSTS[call.kind](call.nbytes, tp_degree, link).time_s for call in calls)
-    return TensorParallelStep(dense_compute_s / tp_degree, seconds, len(calls))
+    if calls and link is None and collective_s is None:
+        raise ValueError("give the link the collectives cross (link=...) or their measured cost (collective_s=...)")
+    if collective_s is not None:
+        seconds = sum(collective_s(call) for call in calls)
+    else:
+        seconds = sum(_COSTS[call.kind](call.nbytes, tp_degree, link).time_s for call in calls)
+    compute = (whole_s + (dense_compute_s - whole_s) / tp_degree) * slowdown
+    return TensorParallelStep(compute, seconds, len(calls), whole_s * slowdown)
 
 
 # --------------------------------------------------------------------------------------------------------
 # Per rank and per layer: what a rank holds, and why tensor parallelism stays inside a node
 
 
-def parameters_per_rank(config: GPTConfig, tp_degree: int) -> dict[str, int]:
+def parameters_per_rank(config: GPTConfig, tp_degree: int, vocab_divisible_by: int = 1) -> dict[str, int]:
     """Elements of ``TinyGPT(config)``'s parameters one of ``tp_degree`` ranks holds: ``"split"``, its ``1/t``
     of every matrix (query, key, value, the projections, the MLP, and the vocabulary padded to a multiple of
-    ``t``, as ``labkit.parallel.tensor`` pads it) with the column-parallel biases; ``"replicated"``, what every
-    rank holds whole (the norms, the row-parallel biases, the position embedding).  Times 4 bytes for fp32
-    weights, 4 more for their gradients and 8 for AdamW's two moments."""
+    ``vocab_divisible_by * t``, as ``labkit.parallel.tensor`` pads it: 1 by default, Megatron-LM's 128 as an
+    option) with the column-parallel biases; ``"replicated"``, what every rank holds whole (the norms, the
+    row-parallel biases, the position embedding).  Times 4 bytes for fp32 weights, 4 more for their gradients
+    and 8 for AdamW's two moments."""
     _check_count("tp_degree", tp_degree)
+    _check_count("vocab_divisible_by", vocab_divisible_by)
     h, t = config.n_embd, tp_degree
-    vocab = -(-config.vocab_size // t) * t
+    multiple = vocab_divisible_by * t
+    vocab = -(-config.vocab_size // multiple) * multiple
     columns = 3 * h * h + 4 * h * h + ((3 * h + 4 * h) if config.bias else 0)  # query, key, value, MLP fc
     rows = h * h + 4 * h * h  # the attention and MLP output projections
     split = config.n_layer * (columns + rows) + vocab * h * (1 if config.tie_weights else 2)
     whole = replicated_parameters(config, sequence_parallel=True)  # with the position embedding
     return {"split": split // t, "replicated": whole}
+
+
+def tensor_parallel_size_problem(hidden_size: int, heads: int, tp_degree: int,
+                                 kv_heads: int | None = None) -> str | None:
+    """Why ``tp_degree`` ranks cannot split a layer of ``hidden_size`` with ``heads`` query heads and
+    ``kv_heads`` key/value heads (``None``: as many as query heads), or ``None`` when they can.
+
+    Heads are split whole, so ``t`` must divide the heads and the hidden size.  Under grouped-query attention
+    (Ainslie et al. 2023, "GQA"; Llama-2-70B: 64 query heads sharing 8 key/value heads) each rank must also hold
+    whole key/value heads with their groups of query heads: Megatron-LM refuses a ``t`` that does not divide
+    ``num_query_groups`` (``TransformerConfig``: "num_query_groups must be a multiple of
+    tensor_model_parallel_size"), so Llama-2-70B's tensor parallelism stops at 8.  (Inference engines such as
+    vLLM replicate key/value heads past that instead, each rank computing a copy.)"""
+    for name, value in (("hidden_size", hidden_size), ("heads", heads), ("tp_degree", tp_degree)):
+        _check_count(name, value)
+    if kv_heads is not None:
+        _check_count("kv_heads", kv_heads)
+        if heads % kv_heads:
+            return f"{heads} query heads cannot be shared evenly by {kv_heads} key/value heads"
+    if heads % tp_degree or hidden_size % tp_degree:
+        return (f"tensor parallelism over {tp_degree} ranks splits the heads and the hidden size evenly: "
+                f"n_head={heads} and n_embd={hidden_size} must both be divisible by {tp_degree}")
+    if kv_heads is not None and kv_heads % tp_degree:
+        return (f"under grouped-query attention each of the {tp_degree} ranks must hold whole key/value heads: "
+                f"the {kv_heads} key/value heads must be divisible by {tp_degree} (Megatron-LM refuses it)")
+    return None
+
+
+def valid_tp_degrees(hidden_size: int, heads: int, kv_heads: int | None = None, limit: int = 64) -> list[int]:
+    """Every ``t`` from 1 to ``limit`` that :func:`tensor_parallel_size_problem` accepts."""
+    _check_count("limit", limit)
+    return [t for t in range(1, limit + 1) if tensor_parallel_size_problem(hidden_size, heads, t, kv_heads) is None]
 
 
 def layer_training_flops(micro_batch: int, seq_len: int, hidden_size: int) -> float:

@@ -53,11 +53,11 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
     "pipeline_parallel": ("07_pipeline_parallel.py", "labkit.grading.checkers.pipeline_parallel",
                           "Pipeline parallelism: the 1F1B order of one rank"),
     "parameter_server": ("08_parameter_server.py", "labkit.grading.checkers.parameter_server",
-                         "A parameter server: the rule for applying gradients under bounded staleness"),
+                         "A parameter server: the rule for applying gradients under a bounded delay"),
     "checkpointing": ("09_checkpointing.py", "labkit.grading.checkers.checkpointing",
                       "Checkpointing: save a data-parallel run on rank 0 and resume it bit for bit"),
     "3d_parallelism": ("10_3d_parallelism.py", "labkit.grading.checkers.parallelism_3d",
-                       "3D parallelism: the ranks of every TP, DP and PP group, as Megatron lays them out"),
+                       "3D parallelism: a mesh laid out in any order, and the nodes its groups span"),
     "planning": ("11_planning.py", "labkit.grading.checkers.planning",
                  "Planning a training run: one 3D step's time by hand (compute, TP, bubble, DP)"),
 }

@@ -26,14 +26,17 @@ collectives of ``torch.distributed.nn``, while leaving ``dist.all_reduce``, whic
 exercise 07 forbids the 1F1B schedules of ``torch.distributed.pipelining`` and the helpers that list their
 actions.
 
-Everything is put back when the block ends (checks run in a child process that exits anyway; the ranks a check
-forks inherit the swapped code).  Cost: swapping the ~200 functions takes about 15 ms; under the dispatch mode
-every tensor operation makes one extra Python call, nothing next to an exercise's gloo messages.  The guard
-stops honest shortcuts, not an adversary: code that digs out what the guard swapped can get around it.
+:func:`graders_off_limits` keeps the checkers' own references (and any import of ``labkit.grading``) from the
+student's code; :func:`labkit.grading.files.observe` uses the swap to watch rather than refuse.
+
+Everything is put back when the block ends (ranks a check forks inherit the swap).  Cost: swapping the ~200
+functions takes about 15 ms; under the dispatch mode every tensor operation makes one extra Python call, nothing
+next to gloo's messages.  The guard stops honest shortcuts, not an adversary, who can dig out what it swapped.
 """
 
 from __future__ import annotations
 
+import builtins
 import functools
 import importlib
 import pkgutil
@@ -63,8 +66,10 @@ LABKIT_IMPLEMENTATIONS = (
     "labkit.precision",  # 04: the dynamic loss scaler
     "labkit.checkpoint",  # 09: saving and resuming a run (rank 0 writes, every rank's RNG and sampler states)
     "labkit.checkpoint_files",  # 09: the atomic write and the RNG state helpers
-    "labkit.mesh",  # 10: the 3D layout (mesh_groups is megatron_groups) and the Mesh built on it
+    "labkit.mesh",  # 10: the 3D layout (mesh_coordinates and mesh_groups, in "tp-dp-pp") and the Mesh built on it
     "labkit.costmodel.step",  # 11: the step model (predict_step, stage_times, closed_form_makespan)
+    "labkit.costmodel.stages",  # 11: the step model's per-stage costs (chunk_costs, stage_times)
+    "labkit.costmodel.timeline",  # 11: the step model's placement of a schedule (place, pipeline)
     "labkit.costmodel.planner",  # 11: the planner, which ranks layouts by predict_step
     "labkit.costmodel.simulator",  # 11: the same step simulated event by event (its parts, the bubble included)
 )
@@ -191,13 +196,88 @@ def no_shortcuts(check: Callable[[types.ModuleType], None] | None = None, *,
     def decorate(check: Callable[[types.ModuleType], None]) -> Callable[[types.ModuleType], None]:
         @functools.wraps(check)
         def guarded(module: types.ModuleType) -> None:
-            with forbid(module, library=library, allow=allow):
+            with forbid(module, library=library, allow=allow), graders_off_limits(module):
                 check(module)
 
         guarded.guarded = True  # tests/test_grading.py asserts every check has it
         return guarded
 
     return decorate if check is None else decorate(check)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The grader is labkit's implementation too
+
+GRADERS = "labkit.grading"
+_CALLS: dict[int, Callable[..., Any]] = {}  # the calls the swapped functions forward to, by key
+REASON = "the grader itself: the answer must be yours"
+
+
+@contextmanager
+def graders_off_limits(student: types.ModuleType | None) -> Iterator[None]:
+    """A checker's own references (``_digits``...) answer its exercise as surely as labkit's.  Within the block the
+    student's module may hold nothing of ``labkit.grading`` (module, function, class, or a class built on one),
+    its ``import`` of anything there raises, and each function of a loaded checker module raises when called from
+    the student's code (by its caller's globals), still serving the checker, its ranks and labkit.  What a checker
+    hands to student code on purpose stays: methods (exercise 06's reference f and g) and the functions it puts in
+    the student's module to grade one part alone (exercise 04's reference unscale)."""
+    if student is None:
+        yield
+        return
+    for name, value in vars(student).items():
+        if _grader_name(value):
+            raise Forbidden(f"your file holds {_grader_name(value)} (as {name}), {REASON}")
+    with ExitStack() as restore:
+        _refuse_imports(student.__name__, restore)
+        for module_name, module in list(sys.modules.items()):
+            if module_name.startswith(f"{GRADERS}.checkers.") and module is not None:
+                for function in vars(module).values():  # functions, not methods
+                    if type(function) is types.FunctionType and function.__module__ == module_name and \
+                            not getattr(function, "guarded", False):
+                        _serve_only_the_grader(function, student, restore)
+        yield
+
+
+def _grader_name(value: Any) -> str | None:
+    if isinstance(value, types.ModuleType):
+        return value.__name__ if value.__name__.startswith(GRADERS) else None
+    for thing in getattr(value, "__mro__", None) or (value,):
+        if str(getattr(thing, "__module__", None)).startswith(GRADERS):
+            return f"{thing.__module__}.{getattr(thing, '__qualname__', type(thing).__name__)}"
+    return None
+
+
+def _refuse_imports(student: str, restore: ExitStack) -> None:
+    original = builtins.__import__
+
+    def guarded_import(name: str, globals: dict | None = None, locals: Any = None, fromlist: Any = (),
+                       level: int = 0) -> Any:
+        if globals is not None and globals.get("__name__") == student and level == 0 and (
+                name.startswith(GRADERS) or name == "labkit" and "grading" in (fromlist or ())):
+            raise Forbidden(f"imported {name}, {REASON}")
+        return original(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = guarded_import
+    restore.callback(setattr, builtins, "__import__", original)
+
+
+def _serve_only_the_grader(function: types.FunctionType, student: types.ModuleType, restore: ExitStack) -> None:
+    twin = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+    twin.__kwdefaults__, key = function.__kwdefaults__, id(twin)
+    message = f"used {_public_name(function)}, {REASON}"
+
+    def call(*args: Any, **kwargs: Any) -> Any:  # frame 0: here, 1: the swapped function, 2: its caller
+        if sys._getframe(2).f_globals is vars(student) and function not in vars(student).values():
+            raise Forbidden(message)  # (one the checker put in the student's module, to grade a part alone, serves)
+        return twin(*args, **kwargs)
+
+    _CALLS[key] = call
+    restore.callback(_CALLS.pop, key, None)
+    code = _code_running(function, f"return __import__({__name__!r}, fromlist=['_'])._CALLS[{key}](*args, **kwargs)",
+                         "served")
+    if code is not None:
+        _swap_code(function, "", restore, code)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -271,12 +351,17 @@ def _public_name(function: types.FunctionType) -> str:
 def _refusing_code(function: types.FunctionType, message: str) -> types.CodeType | None:
     """Code that raises ``Forbidden(message)``, with ``function``'s free variables (so it fits its closure).
     It runs with ``function``'s globals, so it reaches the exception class through ``__import__``."""
+    return _code_running(function, f"raise __import__({__name__!r}, fromlist=['Forbidden']).Forbidden({message!r})")
+
+
+def _code_running(function: types.FunctionType, statement: str, name: str = "refused") -> types.CodeType | None:
+    """Code of a function ``name(*args, **kwargs)`` that runs ``statement``, with ``function``'s free variables
+    (tests tell a swapped function by its code's name)."""
     free = function.__code__.co_freevars
-    lines = ["def outer():", *(f"    {name} = None" for name in free), "    def refused(*args, **kwargs):"]
+    lines = ["def outer():", *(f"    {free_name} = None" for free_name in free), f"    def {name}(*args, **kwargs):"]
     if free:
         lines.append(f"        ({', '.join(free)},)")
-    lines += [f"        raise __import__({__name__!r}, fromlist=['Forbidden']).Forbidden({message!r})",
-              "    return refused"]
+    lines += [f"        {statement}", f"    return {name}"]
     namespace: dict[str, Any] = {}
     try:
         exec("\n".join(lines), namespace)
@@ -286,8 +371,9 @@ def _refusing_code(function: types.FunctionType, message: str) -> types.CodeType
     return code if code.co_freevars == free else None
 
 
-def _swap_code(function: types.FunctionType, message: str, restore: ExitStack) -> bool:
-    code = _refusing_code(function, message)
+def _swap_code(function: types.FunctionType, message: str, restore: ExitStack,
+               code: types.CodeType | None = None) -> bool:
+    code = _refusing_code(function, message) if code is None else code
     if code is None:
         return False
     original = function.__code__
@@ -302,8 +388,8 @@ def _swap_code(function: types.FunctionType, message: str, restore: ExitStack) -
 def _refuse_process_group_collectives(reason: str, restore: ExitStack) -> None:
     """Collective methods of ``ProcessGroup`` and of its backends (``ProcessGroupGloo``...) raise."""
     c10d = torch._C._distributed_c10d
-    bases = (c10d.ProcessGroup, c10d.Backend)
-    for cls in [value for value in vars(c10d).values() if isinstance(value, type) and issubclass(value, bases)]:
+    for cls in [value for value in vars(c10d).values() if isinstance(value, type)
+                and issubclass(value, (c10d.ProcessGroup, c10d.Backend))]:
         for name in list(vars(cls)):
             if COLLECTIVE_NAME.match(name):
                 restore.callback(setattr, cls, name, vars(cls)[name])
@@ -313,7 +399,6 @@ def _refuse_process_group_collectives(reason: str, restore: ExitStack) -> None:
 def _refusing_function(message: str) -> Callable[..., Any]:
     def refused(*args: Any, **kwargs: Any) -> Any:
         raise Forbidden(message)
-
     return refused
 
 

@@ -33,6 +33,20 @@ frees it after; the root stays gathered until no forward awaits its backward.  W
 *unsharded* gradient, summed in ``reduce_dtype``; ``reduce_gradients()`` reduce-scatters the sums, and a later
 backward with sync on sends them with its own.  Not supported: activation checkpointing inside a unit, a unit
 run twice in one forward.  Buffers are broadcast from the first rank at construction only.
+
+**Sharded and replicated parameters** (``shard_modules``).  By default every parameter is sharded.
+``shard_modules=(nn.Linear, nn.Embedding)`` shards only the parameters inside modules of those types and keeps every
+other one (the norms' weights and biases) *replicated*: whole on every rank, its gradient all-reduced and divided by
+``N`` when its unit's backward ends, so every rank holds the same gradient and, after the optimizer step, the same
+value, as under DDP.  It is FSDP2's ``fully_shard`` called on the chosen submodules only, the rest all-reduced
+beside it (Stanford CS336's 2026 FSDP assignment shards Linear and Embedding layers and checks that the norms'
+gradients agree on every rank).  The costs, for ``P`` parameters in fp32 with Adam: sharded, ``16 P / N`` bytes of
+model state (ZeRO-3) and per step two all-gathers and a reduce-scatter of their ``4 P`` bytes (each rank's ring link
+carries ``3 (N-1)/N`` times that); replicated, ``16 P`` bytes on every rank (stage 0) and one all-reduce
+(``2 (N-1)/N`` times).  A norm's weight is ``h`` of a block's ``12 h^2`` parameters: sharding it saves ``1/N`` of almost
+nothing and sends its bytes three times a step instead of twice.  Replicated parameters travel with their unit:
+copied into the compute dtype when it is gathered (no communication), all-reduced as one flat buffer in
+``reduce_dtype`` when its backward ends.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -57,49 +72,17 @@ from labkit.parallel.base import (
     queue_end_of_backward,
     reduce_scatter_tensor,
 )
-from labkit.parallel.shard_layout import ShardLayout, add_shard_gradients
-
-
-class _FlatParameter:
-    """A unit's parameters of one dtype and ``requires_grad``: this rank's shard, the full ones while gathered."""
-
-    def __init__(self, parameters: list[nn.Parameter], slots: list[list[tuple[nn.Module, str]]],
-                 names: list[list[str]], world_size: int, rank: int, compute_dtype: torch.dtype):
-        self.slots, self.names, self.requires_grad = slots, names, parameters[0].requires_grad
-        self.layout = ShardLayout([p.shape for p in parameters], world_size, rank)
-        self.shard = self.layout.pack_shard([p.detach() for p in parameters])
-        self.pieces = [nn.Parameter(view, requires_grad=self.requires_grad)
-                       for view in self.layout.shard_views(self.shard)]
-        self.full_parameters = [nn.Parameter(torch.empty(p.shape, dtype=compute_dtype, device=p.device),
-                                             requires_grad=self.requires_grad) for p in parameters]
-        for p in self.full_parameters:
-            p.untyped_storage().resize_(0)
-        self.accumulated: list[torch.Tensor | None] = [None] * len(parameters)  # unsharded, while sync is off
-        self.gathering: torch.Tensor | None = None  # the padded all-gather output, while in flight
-        self.handle, self.gathered = None, False
-
-
-@dataclass(eq=False)
-class _Unit:
-    module: nn.Module
-    flats: list[_FlatParameter]
-    is_root: bool = False
-
-    def use(self, full: bool) -> None:
-        """Put the full parameters (or this rank's shards) into the modules."""
-        for flat in self.flats:
-            for tensor, slots in zip(flat.full_parameters if full else flat.pieces, flat.slots, strict=True):
-                for module, attribute in slots:
-                    module._parameters[attribute] = tensor
+from labkit.parallel.fsdp_units import FlatParameter, Unit, check_arguments, make_units, predicted_memory
+from labkit.parallel.shard_layout import add_shard_gradients
 
 
 @dataclass(eq=False)
 class _Pass:
     """A forward pass with autograd on: its units in forward order; those whose backward started and ended."""
 
-    units: list[_Unit]
-    pre_backward: set[_Unit] = field(default_factory=set)
-    post_backward: set[_Unit] = field(default_factory=set)
+    units: list[Unit]
+    pre_backward: set[Unit] = field(default_factory=set)
+    post_backward: set[Unit] = field(default_factory=set)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -123,79 +106,58 @@ class FullyShardedDataParallel(ParallelWrapper):
         optimizer = model.make_optimizer(torch.optim.AdamW, lr=1e-3)  # steps this rank's shards only
         full = model.full_state_dict()                                # collective: the unsharded state_dict()
 
+        FullyShardedDataParallel(model, shard_modules=(nn.Linear, nn.Embedding))  # norms stay replicated
+
     ``compute_dtype``: of the gathered parameters, the inputs and the computation; ``reduce_dtype``: of the
-    gradients' reduce-scatter (both default to the shards' dtype); ``units``: the modules gathered one at a time;
-    ``prefetch``: start the next unit's all-gather while this one computes.  Rank 0's values win.
+    gradients' reduction (both default to the shards' dtype); ``units``: the modules gathered one at a time;
+    ``prefetch``: start the next unit's all-gather while this one computes; ``shard_modules``: shard only the
+    parameters inside these modules (types, names or submodules; ``labkit.parallel.fsdp_units``), replicate the
+    rest (default: shard every parameter).  Rank 0's values win.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, units: Iterable[nn.Module] | None = None,
-                 prefetch: bool = True, group: Any = None):
-        unit_modules = _check_fsdp_arguments(module, compute_dtype, reduce_dtype, units, prefetch)
+                 prefetch: bool = True, group: Any = None, shard_modules: Any = None):
+        unit_modules, sharded = check_arguments(module, compute_dtype, reduce_dtype, units, prefetch, shard_modules)
         super().__init__(module, group)
         self.prefetch = prefetch
         check_same_model(list(module.named_parameters()) + list(module.named_buffers()), self.group)
         broadcast_from_first_rank(list(module.parameters()) + list(module.buffers()), self.group)
         self.master_dtype = next(module.parameters()).dtype  # the shards' (mixed dtypes need both given)
         self.compute_dtype, self.reduce_dtype = compute_dtype or self.master_dtype, reduce_dtype or self.master_dtype
-        self.units = self._make_units(unit_modules)
+        self.units = make_units(module, unit_modules, sharded, self.world_size, self.rank, self.compute_dtype)
         for unit in self.units[1:]:
             unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
             unit.module.register_forward_hook(partial(self._post_forward, unit))
         self._live: weakref.WeakSet[_Pass] = weakref.WeakSet()  # forward passes awaiting their backward
         self._recording: _Pass | None = None  # the forward pass running now
         self._backward: list[_Pass] = []  # the passes the running backward has reached
-        self._pending_reduce_scatter: tuple[Any, ...] | None = None
+        self._pending_reduction: tuple[Any, ...] | None = None
 
-    def _make_units(self, unit_modules: list[nn.Module]) -> list[_Unit]:
-        slots: dict[int, list[tuple[nn.Module, str]]] = {}  # id(parameter) -> where the modules hold it
-        names: dict[int, list[str]] = {}
-        parameters: dict[int, nn.Parameter] = {}
-        for prefix, owner in self.module.named_modules(remove_duplicate=False):
-            for attribute, p in owner._parameters.items():
-                if p is not None and (owner, attribute) not in slots.get(id(p), []):
-                    slots.setdefault(id(p), []).append((owner, attribute))
-                    names.setdefault(id(p), []).append(f"{prefix}.{attribute}" if prefix else attribute)
-                    parameters[id(p)] = p
-        holders = [{id(p) for p in unit_module.parameters()} for unit_module in unit_modules]
-        members: list[list[nn.Parameter]] = [[] for _ in range(len(unit_modules) + 1)]  # root first
-        for key, p in parameters.items():
-            held_by = [index for index, held in enumerate(holders) if key in held]
-            members[held_by[0] + 1 if len(held_by) == 1 else 0].append(p)  # shared or unclaimed: root
-        units = []
-        for index, unit_parameters in enumerate(members):
-            flats = []
-            for kind in dict.fromkeys((p.dtype, p.requires_grad) for p in unit_parameters):
-                chosen = [p for p in unit_parameters if (p.dtype, p.requires_grad) == kind]
-                flats.append(_FlatParameter(chosen, [slots[id(p)] for p in chosen], [names[id(p)] for p in chosen],
-                                            self.world_size, self.rank, self.compute_dtype))
-            units.append(_Unit(self.module if index == 0 else unit_modules[index - 1], flats, is_root=index == 0))
-        for unit in units:
-            unit.use(full=False)  # from now on the module's parameters are this rank's shards
-        return units
-
-    def _start_gather(self, unit: _Unit) -> None:
+    def _start_gather(self, unit: Unit) -> None:
         for flat in unit.flats:
-            if flat.gathered or flat.handle is not None:
+            if flat.gathered or flat.handle is not None or flat.replicated:  # a replicated one: a local copy
                 continue
             flat.gathering = flat.shard.new_empty(flat.layout.padded_numel, dtype=self.compute_dtype)
             self._count("all_gather", flat.gathering)
             flat.handle = all_gather_tensor(flat.gathering, flat.shard.to(self.compute_dtype), group=self.group,
                                             async_op=True)
 
-    def _gather(self, unit: _Unit) -> None:
+    def _gather(self, unit: Unit) -> None:
         self._start_gather(unit)
         for flat in unit.flats:
-            if flat.handle is None:
+            if flat.gathered:
                 continue
-            flat.handle.wait()
+            if flat.handle is not None:
+                flat.handle.wait()
             for p in flat.full_parameters:
                 p.untyped_storage().resize_(p.numel() * p.element_size())
             # Copy out through .data: a new version counter, so autograd's saved tensors stay valid.
-            flat.layout.unpack(flat.gathering, [p.data for p in flat.full_parameters])
+            source = flat.shard.to(self.compute_dtype) if flat.replicated else flat.gathering
+            flat.layout.unpack(source, [p.data for p in flat.full_parameters])
             flat.gathering, flat.handle, flat.gathered = None, None, True
 
-    def _free(self, unit: _Unit) -> None:
+    def _free(self, unit: Unit) -> None:
         for flat in unit.flats:
             if flat.handle is not None:  # a prefetch that was not used
                 flat.handle.wait()
@@ -231,7 +193,7 @@ class FullyShardedDataParallel(ParallelWrapper):
             self._free(root)
         return output
 
-    def _pre_forward(self, unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         record = self._recording if self._recording is not None else _Pass([])  # run outside our forward
         if unit in record.units:
             raise RuntimeError(f"unit {type(unit.module).__name__} ran twice in one forward pass: unsupported")
@@ -249,7 +211,7 @@ class FullyShardedDataParallel(ParallelWrapper):
                 args, kwargs = tree_map_only(torch.Tensor, lambda t: replaced.get(id(t), t), (args, kwargs))
         return args, kwargs
 
-    def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output: Any) -> Any:
         unit.use(full=False)
         self._free(unit)
         if torch.is_grad_enabled() and self._recording is not None:
@@ -259,7 +221,7 @@ class FullyShardedDataParallel(ParallelWrapper):
     # ----------------------------------------------------------------------------------------------------
     # Backward
 
-    def _pre_backward(self, record: _Pass, unit: _Unit, gradient: torch.Tensor) -> None:
+    def _pre_backward(self, record: _Pass, unit: Unit, gradient: torch.Tensor) -> None:
         if not self._backward:
             queue_end_of_backward(self._finish_backward)
         if record not in self._backward:
@@ -273,7 +235,7 @@ class FullyShardedDataParallel(ParallelWrapper):
         if self.prefetch and not upcoming.is_root:
             self._start_gather(upcoming)
 
-    def _post_backward(self, record: _Pass, unit: _Unit) -> None:
+    def _post_backward(self, record: _Pass, unit: Unit) -> None:
         """Reduce-scatter the unit's gradients (or, with sync off, add them to what it accumulated); free it."""
         if unit in record.post_backward:
             return
@@ -282,28 +244,33 @@ class FullyShardedDataParallel(ParallelWrapper):
             if not flat.requires_grad:
                 continue
             if self.require_gradient_sync:
-                self._reduce_scatter(flat)
+                self._reduce(flat)
             else:
                 flat.accumulated = [None if g is None else g.to(self.reduce_dtype) for g in _take_gradients(flat)]
         if not unit.is_root:
             self._free(unit)
 
-    def _reduce_scatter(self, flat: _FlatParameter) -> None:
-        """Launch the reduce-scatter of ``flat``'s full gradients (the previous one is waited for first)."""
+    def _reduce(self, flat: FlatParameter) -> None:
+        """Launch the reduce-scatter (replicated: the all-reduce) of ``flat``'s full gradients; the previous
+        reduction is waited for first."""
         full = flat.shard.new_empty(flat.layout.padded_numel, dtype=self.reduce_dtype)
         flat.layout.pack(_take_gradients(flat), full)
-        self._complete_reduce_scatter()
-        shard = full.new_empty(flat.layout.shard_numel)
-        self._count("reduce_scatter", full)
-        handle = reduce_scatter_tensor(shard, full, group=self.group, async_op=True)
-        self._pending_reduce_scatter = (handle, shard, full, flat)
+        self._complete_reduction()
+        if flat.replicated:
+            self._count("all_reduce", full)
+            shard, handle = full, dist.all_reduce(full, group=self.group, async_op=True)
+        else:
+            shard = full.new_empty(flat.layout.shard_numel)
+            self._count("reduce_scatter", full)
+            handle = reduce_scatter_tensor(shard, full, group=self.group, async_op=True)
+        self._pending_reduction = (handle, shard, full, flat)
 
-    def _complete_reduce_scatter(self) -> None:
-        if self._pending_reduce_scatter is not None:
-            handle, shard, _, flat = self._pending_reduce_scatter
+    def _complete_reduction(self) -> None:
+        if self._pending_reduction is not None:
+            handle, shard, _, flat = self._pending_reduction
             handle.wait()
             add_shard_gradients(shard.div_(self.world_size), flat.pieces, flat.layout)
-            self._pending_reduce_scatter = None
+            self._pending_reduction = None
 
     def _finish_backward(self) -> None:
         try:
@@ -312,7 +279,7 @@ class FullyShardedDataParallel(ParallelWrapper):
                     self._post_backward(record, unit)  # units whose inputs needed no gradient, and the root
                 record.pre_backward, record.post_backward = set(), set()  # a retained graph may run again
                 self._live.discard(record)
-            self._complete_reduce_scatter()
+            self._complete_reduction()
             if self.require_gradient_sync:
                 self._reduction_done()
         finally:
@@ -322,17 +289,23 @@ class FullyShardedDataParallel(ParallelWrapper):
                     self._free(unit)
 
     def reduce_gradients(self) -> None:
-        """Reduce-scatter what backward passes with sync off accumulated into the shards' ``.grad`` (the mean over
-        ranks).  A collective: every rank calls it after the same backward passes."""
+        """Reduce-scatter (all-reduce, if replicated) what backward passes with sync off accumulated into the
+        pieces' ``.grad`` (the mean over ranks).  A collective: every rank calls it after the same backward passes."""
         flats = [flat for unit in self.units for flat in unit.flats if flat.requires_grad]
         if any(g is not None for flat in flats for g in flat.accumulated):
             for flat in flats:
-                self._reduce_scatter(flat)
-            self._complete_reduce_scatter()
+                self._reduce(flat)
+            self._complete_reduction()
         self._reduction_done()
 
     def _sharded(self) -> bool:
         return True
+
+    def _gradient_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+        parts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for flat in (flat for unit in self.units for flat in unit.flats):
+            parts[flat.replicated].extend(p.grad for p in flat.pieces if p.grad is not None)
+        return parts[0], parts[1], True
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the unsharded model's ``state_dict()`` (the shards' dtype, and the buffers) on every rank."""
@@ -356,21 +329,31 @@ class FullyShardedDataParallel(ParallelWrapper):
                    for t in (*flat.full_parameters, flat.gathering) if t is not None)
 
     def predicted_communication(self, forwards: int = 1, root_gathers: int = 1) -> dict[str, int]:
-        """Bytes into each collective in a step of ``forwards`` forwards and backwards: every unit gathered twice
-        each, the root ``root_gathers`` times (kept while a backward is due), every trainable one scattered once."""
+        """Bytes into each collective in a step of ``forwards`` forwards and backwards: every unit's sharded part
+        gathered twice each, the root's ``root_gathers`` times (kept while a backward is due), every trainable
+        one scattered once; every trainable replicated part all-reduced once (kinds with no bytes left out)."""
+        flats = [(unit, flat) for unit in self.units for flat in unit.flats]
         gathers = sum((root_gathers if unit.is_root else 2 * forwards) * flat.layout.padded_numel
-                      for unit in self.units for flat in unit.flats)
-        scatters = sum(flat.layout.padded_numel for unit in self.units for flat in unit.flats if flat.requires_grad)
-        return {"all_gather": gathers * torch.finfo(self.compute_dtype).bits // 8,
-                "reduce_scatter": scatters * torch.finfo(self.reduce_dtype).bits // 8}
+                      for unit, flat in flats if not flat.replicated)
+        reduced = [sum(flat.layout.padded_numel for _, flat in flats if flat.requires_grad and flat.replicated == kind)
+                   for kind in (False, True)]
+        size = torch.finfo(self.reduce_dtype).bits // 8
+        found = {"all_gather": gathers * torch.finfo(self.compute_dtype).bits // 8,
+                 "reduce_scatter": reduced[0] * size, "all_reduce": reduced[1] * size}
+        return {kind: count for kind, count in found.items() if count}
+
+    def predicted_memory(self, optimizer: str = "adam") -> dict[str, int]:
+        """Model-state bytes this rank holds between steps, from the layout (``fsdp_units.predicted_memory``):
+        what :meth:`memory_breakdown` measures after an optimizer step, less Adam's ``step`` counters."""
+        return predicted_memory(self.units, self.master_dtype, self.reduce_dtype, optimizer)
 
     @property
     def unit_names(self) -> list[list[str]]:
-        """Per unit (root first): the names of the parameters it gathers."""
+        """Per unit (root first): the names of the parameters it gathers (or copies, if replicated)."""
         return [[names[0] for flat in unit.flats for names in flat.names] for unit in self.units]
 
 
-def _take_gradients(flat: _FlatParameter) -> list[torch.Tensor | None]:
+def _take_gradients(flat: FlatParameter) -> list[torch.Tensor | None]:
     """The full gradients on ``flat``'s parameters plus what it accumulated with sync off, taken off it."""
     taken = []
     for p, total in zip(flat.full_parameters, flat.accumulated, strict=True):
@@ -386,35 +369,3 @@ def _register_on_outputs(output: Any, hook: Callable[[torch.Tensor], None]) -> b
     for tensor in tensors:
         tensor.register_hook(hook)
     return bool(tensors)
-
-
-def _check_fsdp_arguments(module: Any, compute_dtype: Any, reduce_dtype: Any, units: Any,
-                          prefetch: Any) -> list[nn.Module]:
-    """Check the arguments; return the unit modules (given, or found)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}: {module!r:.80}")
-    parameters = list(module.parameters())
-    if not parameters or any(not p.is_floating_point() for p in parameters):
-        raise ValueError("module must have parameters, every one floating point, to shard and reduce them")
-    for name, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"{name} must be None or a floating-point torch.dtype, got {dtype!r}")
-    if len({p.dtype for p in parameters}) > 1 and (compute_dtype is None or reduce_dtype is None):
-        raise ValueError("the module mixes parameter dtypes; pass compute_dtype and reduce_dtype explicitly")
-    if not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
-    submodules = {id(m) for m in module.modules() if m is not module}
-    if units is None:
-        found = [child for name, lst in module.named_modules() if name.split(".")[-1] in ("blocks", "layers")
-                 and isinstance(lst, (nn.ModuleList, nn.Sequential)) for child in lst if child is not None]
-        return [m for m in found if not any(m is not other and any(m is sub for sub in other.modules())
-                                            for other in found)]
-    units = list(units)
-    for index, unit in enumerate(units):
-        if not isinstance(unit, nn.Module) or id(unit) not in submodules:
-            raise ValueError(f"every unit must be a submodule of module (not module itself), got {unit!r:.80}")
-        inner = [other for at, other in enumerate(units) if at != index and any(other is m for m in unit.modules())]
-        if inner:
-            raise ValueError(f"units must not nest or repeat: {type(inner[0]).__name__} is (inside) "
-                             f"{type(unit).__name__}")
-    return units

@@ -6,6 +6,8 @@ those pieces keeps its per-parameter state (Adam's ``exp_avg``, ``exp_avg_sq``) 
 a state is the parameters' own gather: copy each rank's pieces into a padded shard buffer, all-gather the buffers,
 unpack the rows into full tensors.  Loading is the reverse without communication: every rank reads the full
 tensors and keeps its rows.  Scalar states (Adam's ``step``) are the same on every rank and pass through.
+A replicated flat parameter's layout has one "rank" (``labkit.parallel.fsdp_units``): its rows are all of them,
+so it needs no gather, and a sharded checkpoint takes it (and its optimizer states) from the first rank only.
 
 The full optimizer state is what a plain optimizer over the unsharded model would hold, indexed the same way
 (the ``i``-th parameter of the optimizer's groups is the ``i``-th piece), so a single process can load it too.
@@ -26,6 +28,8 @@ def _flats(model: Any) -> list[Any]:
 
 def _gather(model: Any, flat: Any, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """The full tensors of ``flat``'s parameters whose local pieces (this rank's rows) are ``pieces``."""
+    if flat.replicated:  # every rank holds them whole, and the same
+        return [piece.detach().clone() for piece in pieces]
     shard = pieces[0].new_zeros(flat.layout.shard_numel)
     for view, piece in zip(flat.layout.shard_views(shard), pieces, strict=True):
         view.copy_(piece.reshape(view.shape))
@@ -119,14 +123,18 @@ def load_full_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer,
 def sharded_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
     """This rank's pieces for a sharded checkpoint (the contract's ``sharded_state``): its rows of every parameter
     (under each of its names: a tied weight appears twice) and of every per-element optimizer state, no
-    communication; the buffers whole, on the first rank."""
+    communication; the buffers and the replicated parameters whole, on the first rank."""
     pieces: dict[str, Piece] = {}
     for flat in _flats(model):
+        if flat.replicated and model.rank != 0:
+            continue
         for index, (piece, names) in enumerate(zip(flat.pieces, flat.names, strict=True)):
             begin = flat.layout.local_rows(index)[0] * flat.layout.row_numel[index]
             pieces.update((f"model/{name}", (piece.detach(), list(flat.layout.shapes[index]), begin, 0))
                           for name in names)
     for position, (flat, index) in enumerate(_piece_places(model, optimizer)):
+        if flat.replicated and model.rank != 0:
+            continue
         begin = flat.layout.local_rows(index)[0] * flat.layout.row_numel[index]
         pieces.update((f"optimizer/{position}/{key}", (value, list(flat.layout.shapes[index]), begin, 0))
                       for key, value in optimizer.state.get(flat.pieces[index], {}).items()

@@ -1,5 +1,5 @@
-"""A parameter server from point-to-point messages: synchronous, asynchronous, bounded-staleness and backup-worker
-training (lesson 08).
+"""A parameter server from point-to-point messages: synchronous, asynchronous, stale synchronous parallel,
+bounded-delay and backup-worker training (lesson 08).
 
 **Roles.**  One launch, one process group: rank 0 of ``group`` is the *server*, which holds the weights; the
 other ``N`` ranks are *workers*.  A worker receives the weights with their *version* (how many updates the server
@@ -14,27 +14,36 @@ k`` others workers.  The flat weights are cut into ``k`` contiguous shards of ne
 % k`` one element longer; a shard may split a parameter); server ``i`` holds shard ``i`` and runs its own rule,
 as one server does, on shard ``i`` of each gradient, with its own version and budget.  A worker pulls every shard,
 sends each shard of its gradient to its server with the version it pulled from it, and trains until every server
-has stopped it (on a stopped server's final shard meanwhile).  Shards update independently, so under async, ssp
-and backup a worker's shards may be of different versions and staleness is per shard; sync (and ssp with ``s =
-0``) make the same updates on every shard as one server.  Each server sends ``1/k`` of the bytes.
+has stopped it (on a stopped server's final shard meanwhile).  Shards update independently, so under async, ssp,
+bounded_delay and backup a worker's shards may be of different versions and staleness is per shard; sync (and
+``s = 0``, ``tau = 0``) make the same updates on every shard as one server.  Each server sends ``1/k`` of the bytes.
 
 **The rule** (:class:`Gate`) decides, as each gradient arrives, which gradients to apply now (as one update) and
-which workers to release (send the new weights):
+which workers to release (send the new weights).  A worker's *clock* is the number of gradients it has sent:
 
-=========  ====================================================================================================
-mode       rule
-=========  ====================================================================================================
-sync       hold every gradient until all ``N`` workers have sent theirs, then apply them together and release
-           all: the same arithmetic as all-reduce data parallelism, and every worker waits for the slowest
-async      apply each gradient on arrival and release its worker at once (Dean et al. 2012, Downpour SGD)
-ssp        bounded staleness (after Ho et al. 2013): apply what is held as soon as doing so cannot make a
-           gradient still being computed staler than ``s`` updates; until then hold it, and its worker waits.
-           ``s = 0`` is sync, a large ``s`` is async.  The bound counts *updates*, as staleness does here; Ho
-           et al. count each worker's iterations (clocks), so with ``N`` equally fast workers, whose gradients
-           are about ``N - 1`` updates stale, a bound below ``N - 1`` makes them wait where theirs would not
-backup     ``N + b`` workers, the first ``N`` gradients of each version make the update; the ``b`` that arrive
-           late are dropped and their workers get the new weights (Chen et al. 2016)
-=========  ====================================================================================================
+=============  ================================================================================================
+mode           rule
+=============  ================================================================================================
+sync           hold every gradient until all ``N`` workers have sent theirs, then apply them together and release
+               all: the same arithmetic as all-reduce data parallelism, and every worker waits for the slowest
+async          apply each gradient on arrival and release its worker at once (Dean et al. 2012, Downpour SGD)
+ssp            Stale Synchronous Parallel (Ho et al. 2013, "More Effective Distributed ML via a Stale Synchronous
+               Parallel Parameter Server"): apply each gradient on arrival; a worker at clock ``c`` gets new
+               weights only once the slowest worker's clock is ``>= c - s``, so no worker runs more than ``s``
+               clocks ahead and its weights hold every gradient of clocks ``<= c - s - 1``.  The bound is on
+               clocks, not staleness: the others' gradients still land while one is computed (with ``s = 0`` up
+               to ``N - 1`` of them), and a persistent straggler sets everyone's pace once the others are ``s``
+               clocks ahead.  ``s = 0`` makes sync's weights, one gradient per update
+bounded_delay  a bound ``tau`` on staleness itself, counted in updates (the bounded delay of Li et al. 2014,
+               "Scaling Distributed Machine Learning with the Parameter Server", applied to updates): hold what
+               arrives, and apply everything held, as one update, unless that would leave a gradient still being
+               computed more than ``tau`` updates stale; no applied gradient is ever staler than ``tau``, but
+               clocks may drift apart without bound (with a persistent straggler the fast workers send more
+               gradients than it, run after run).  ``tau = 0`` is sync, decision for decision; a large ``tau``
+               is async
+backup         ``N + b`` workers, the first ``N`` gradients of each version make the update; the ``b`` that arrive
+               late are dropped and their workers get the new weights (Chen et al. 2016)
+=============  ================================================================================================
 
 **Staleness** of a gradient: the server's version when it is applied minus the version it was computed on: how
 many updates landed in between.  Synchronous training has none; ``N`` equally fast asynchronous workers have
@@ -88,20 +97,34 @@ class Gate:
 
     ``arrive(worker, pulled)`` is called when ``worker``'s gradient, computed on version ``pulled``, arrives;
     it returns a :class:`Decision`, and :attr:`version` counts the updates applied so far.  At the start every
-    worker is computing on version 0.
+    worker is computing on version 0.  :attr:`clocks` counts each worker's gradients that arrived (its clock, in
+    Ho et al.'s terms); ``ssp`` bounds their spread, ``bounded_delay`` the staleness.
     """
 
-    def __init__(self, mode: str, workers: int, staleness_bound: int | None = None, backup_workers: int = 0):
-        _check(mode, 1, 1.0, staleness_bound, backup_workers, workers)
-        self.mode, self.workers = mode, workers
-        self.bound = {"sync": 0, "async": math.inf, "ssp": staleness_bound, "backup": None}[mode]
+    def __init__(self, mode: str, workers: int, staleness_bound: int | None = None, backup_workers: int = 0,
+                 max_delay: int | None = None):
+        _check(mode, 1, 1.0, staleness_bound, backup_workers, workers, max_delay)
+        self.mode, self.workers, self.staleness_bound = mode, workers, staleness_bound
+        # the most updates a gradient may land behind (bounded_delay's tau; sync is tau = 0, async no bound)
+        self.max_delay = {"sync": 0, "async": math.inf, "bounded_delay": max_delay}.get(mode)
         self.needed = workers - backup_workers  # gradients per synchronous update
         self.version = 0
         self.computing = dict.fromkeys(range(workers), 0)  # worker -> the version it is computing on
         self.held: list[tuple[int, int]] = []  # (worker, pulled): arrived, not applied yet
+        self.clocks = [0] * workers  # gradients each worker has sent
+        self.waiting: list[int] = []  # ssp: workers whose gradient is applied, held back by the clock bound
 
     def arrive(self, worker: int, pulled: int) -> Decision:
         del self.computing[worker]
+        self.clocks[worker] += 1
+        if self.mode == "ssp":  # apply on arrival; a worker c clocks in may go on once the slowest is at c - s
+            self.version += 1
+            self.waiting.append(worker)
+            slowest = min(self.clocks)
+            release = tuple(w for w in self.waiting if self.clocks[w] - slowest <= self.staleness_bound)
+            self.waiting = [w for w in self.waiting if w not in release]
+            self.computing.update(dict.fromkeys(release, self.version))
+            return Decision(apply=(worker,), release=release)
         if self.mode == "backup":
             if pulled < self.version:  # late: this version's update was made without it
                 self.computing[worker] = self.version
@@ -114,7 +137,7 @@ class Gate:
         # Applying now makes version + 1; a gradient still being computed on version v would then be at least
         # version + 1 - v stale when it arrives.
         oldest = min(self.computing.values(), default=None)
-        if oldest is not None and self.version + 1 - oldest > self.bound:
+        if oldest is not None and self.version + 1 - oldest > self.max_delay:
             return Decision()
         return self._apply_held()
 
@@ -204,7 +227,8 @@ class ParameterServerRun:
         return [r.staleness for r in self.applied]
 
 
-def _check(mode: Any, updates: Any, lr: Any, staleness_bound: Any, backup_workers: Any, workers: int) -> None:
+def _check(mode: Any, updates: Any, lr: Any, staleness_bound: Any, backup_workers: Any, workers: int,
+           max_delay: Any = None) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if isinstance(updates, bool) or not isinstance(updates, int) or updates < 1:
@@ -213,12 +237,12 @@ def _check(mode: Any, updates: Any, lr: Any, staleness_bound: Any, backup_worker
         raise ValueError(f"lr must be a number > 0, got {lr!r}")
     if workers < 1:
         raise ValueError("a parameter server needs at least 2 ranks: the server (rank 0) and a worker")
-    if (mode == "ssp") != (staleness_bound is not None):
-        raise ValueError(f"staleness_bound belongs to mode='ssp' (and it needs one), got mode={mode!r}, "
-                         f"staleness_bound={staleness_bound!r}")
-    if mode == "ssp" and (isinstance(staleness_bound, bool) or not isinstance(staleness_bound, int)
-                          or staleness_bound < 0):
-        raise ValueError(f"staleness_bound must be an integer >= 0, got {staleness_bound!r}")
+    for name, value, owner in (("staleness_bound", staleness_bound, "ssp"), ("max_delay", max_delay, "bounded_delay")):
+        if (mode == owner) != (value is not None):
+            raise ValueError(f"{name} belongs to mode={owner!r} (and it needs one), got mode={mode!r}, "
+                             f"{name}={value!r}")
+        if mode == owner and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     if mode != "backup" and backup_workers:
         raise ValueError(f"backup_workers belongs to mode='backup', got mode={mode!r}, backup_workers={backup_workers}")
     if mode == "backup" and (isinstance(backup_workers, bool) or not isinstance(backup_workers, int)
@@ -252,13 +276,14 @@ def run_parameter_server(model: nn.Module, batches: Callable[[int, int], tuple[t
                          backup_workers: int = 0, staleness_aware_lr: bool = False,
                          stragglers: Stragglers | None = None,
                          loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                         group: Any = None, timeout_s: float = 60.0, gate: Any = None,
-                         servers: int = 1) -> ParameterServerRun | ShardRecord | int:
+                         group: Any = None, timeout_s: float = 60.0, gate: Any = None, servers: int = 1,
+                         max_delay: int | None = None) -> ParameterServerRun | ShardRecord | int:
     """Train ``model`` with SGD through a parameter server: every rank of ``group`` calls this with the same
     model (same weights) and arguments.  Rank 0 serves and returns a :class:`ParameterServerRun`; worker ``w``
     (group rank ``w + servers``) trains on ``batches(w, step)`` for its steps ``0, 1, ...`` and returns how many
     gradients it computed.  ``updates``: the server's budget of updates; ``loss_fn(model, x, y)`` defaults to the
-    model's own loss (TinyGPT) or cross-entropy of its output.  See the module docstring for the modes.
+    model's own loss (TinyGPT) or cross-entropy of its output.  See the module docstring for the modes: ``ssp``
+    takes ``staleness_bound`` (``s``, in clocks), ``bounded_delay`` ``max_delay`` (``tau``, in updates).
 
     ``servers``: how many ranks share the weights (group ranks ``0 .. servers-1``, each with its own rule,
     version and budget ``updates``); servers ``1 ..`` return their :class:`ShardRecord` after sending their shard
@@ -271,7 +296,7 @@ def run_parameter_server(model: nn.Module, batches: Callable[[int, int], tuple[t
     wait."""
     group = require_group(group)
     workers = _check_servers(servers, dist.get_world_size(group), gate)
-    _check(mode, updates, lr, staleness_bound, backup_workers, workers)
+    _check(mode, updates, lr, staleness_bound, backup_workers, workers, max_delay)
     if stragglers is not None and any(not 0 <= w < workers for w in stragglers.slow):
         raise ValueError(f"stragglers.slow names workers {sorted(stragglers.slow)}, but there are {workers} "
                          f"workers, 0 .. {workers - 1} (group ranks {servers} .. {servers + workers - 1})")
@@ -288,7 +313,7 @@ def run_parameter_server(model: nn.Module, batches: Callable[[int, int], tuple[t
     if rank >= servers:
         return work(model, parameters, flat, group, rank - servers, bounds, batches, loss_fn or _default_loss,
                     stragglers or Stragglers())
-    gate = Gate(mode, workers, staleness_bound, backup_workers) if gate is None else gate
+    gate = Gate(mode, workers, staleness_bound, backup_workers, max_delay) if gate is None else gate
     start, stop = bounds[rank]
     shard = flat[start:stop].clone()
     record = ShardRecord(rank, start, stop, *_serve(shard, group, servers, workers, mode, updates, lr, gate,
@@ -369,6 +394,9 @@ def _serve(flat, group, servers, workers, mode, updates, lr, gate, staleness_awa
             update_times.append(now)
         for index in decision.release:
             send(index, STOP if len(update_times) >= updates else float(gate.version))
+        if len(update_times) >= updates:  # no update will release a worker the rule still holds (ssp): stop it now
+            for index in sorted(set(range(workers)) - stopped - set(inbox.expected)):
+                send(index, STOP)
     # Every worker not stopped yet is held by the rule; stop it, then say why the budget was not spent.
     for worker in sorted(set(range(workers)) - stopped):
         send(worker, STOP)

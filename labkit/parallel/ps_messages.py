@@ -13,22 +13,28 @@ computes).  A server never waits on another server: a worker posts its receives 
 waits on anything, so a server's send completes at once, and a server waits only in its inbox, for workers it
 has released.  A worker waits until every server still serving it has answered, then sends its next gradient to
 each of them.  A worker stopped by one server keeps training on that server's final shard for the others, so a
-server stops workers only when *its* budget is spent, as one server does.  Could the servers hold workers in a
-circle for ever, each waiting for a worker another holds?  In such a stand-still take the worker ``a`` whose last
-gradient was sent first, and any server ``i`` holding it, at version ``v``, ``a`` having pulled version ``p``:
+server stops workers only when *its* budget is spent, as one server does, and then holds none (it stops at once
+every worker its rule still holds).  Could the servers hold workers in a circle for ever, each waiting for a
+worker another holds?  In such a stand-still take the worker ``a`` whose last gradient was sent first, and any
+server ``i`` holding it, at version ``v``, ``a`` having pulled version ``p``:
 
 - a gradient applied on ``i`` no later than ``a``'s previous one was sent before ``a``'s last, so it is not its
   worker's last (``a``'s was sent first): every worker ``i`` waits for computes on a version after ``p``;
-- sync and ssp: each update since ``p`` was made while ``a`` computed on ``p``, so ``v - p <= s``; applying now
-  keeps every worker still computing (all on versions after ``p``) within ``s``: the rule would have applied it;
+- sync and bounded_delay: each update since ``p`` was made while ``a`` computed on ``p``, so ``v - p <= tau``;
+  applying now keeps every worker still computing (all on versions after ``p``) within ``tau``: the rule would
+  have applied it;
+- ssp: a server still serving holds a worker only while its clock is more than ``s`` ahead of the slowest's, and
+  every server still serving a worker has received each gradient it sent, so the worker that sent the fewest is
+  held by none; in a stand-still that worker would wait for nothing;
 - backup: the ``N - b`` gradients of update ``v`` were all followed by newer ones from their workers (by the first
   point), computed on ``v``, which ``i`` holds: ``N - b`` of them make an update, so it would have applied them;
 - async holds nothing.
 
-So ``a`` is held nowhere and is not waiting: there is no stand-still.  Every gradient a worker sends reaches every
+So ``a`` (under ssp, the worker that sent the fewest) is held nowhere and is not waiting: there is no stand-still.  Every gradient a worker sends reaches every
 server still serving it, so each server spends its budget as one server would, then stops each worker at its next
-message; a worker returns when every server has stopped it.  Sync (and ssp with ``s = 0``) make the same updates on
-every server, which therefore stop every worker in the same round, and no server sees a gradient past its budget.
+message; a worker returns when every server has stopped it.  Sync (and bounded_delay with ``tau = 0``) make the same
+updates on every server, which therefore stop every worker in the same round, and no server sees a gradient past its
+budget.
 """
 
 from __future__ import annotations

@@ -11,21 +11,27 @@ arrives after the last update is recorded as dropped.
 What comes back (:class:`ServerTimeline`) is what :class:`~labkit.parallel.parameter_server.ParameterServerRun`
 records, the same :class:`~labkit.parallel.parameter_server.Received` per gradient (with no loss: nothing is
 trained), plus what a launched run cannot see: when each worker computed, on which version, and when the server
-held its gradient.  Against ``labkit.costmodel.stragglers``: with no delay a synchronous update takes exactly
+held its gradient (or, under ssp, held the worker after applying it).  :func:`clock_gap` reads SSP's promise from
+either kind of record.  Against ``labkit.costmodel.stragglers``: with no delay a synchronous update takes exactly
 ``compute_s + 2 message_s`` and ``N`` equal asynchronous workers settle at staleness ``N - 1``; with exponential
 delays the mean seconds per update approach ``compute_s + 2 message_s + mu H_N`` (sync) and the renewal rate
 (async), while backup workers come out slower than ``mu (H_N - H_b)`` promises, because a late worker finishes
-its dropped gradient before it pulls the new weights.
+its dropped gradient before it pulls the new weights; ssp with a persistent straggler approaches its pace,
+``c_slow / N`` per update.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from labkit.parallel.parameter_server import Gate, Received, Stragglers, _check
+
+__all__ = ["ServerTimeline", "clock_gap", "simulate_parameter_server"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class ServerTimeline:
     workers: int
     staleness_bound: int | None
     backup_workers: int
+    max_delay: int | None
     compute_s: float
     message_s: float
     computes: list[list[tuple[float, float, int]]]
@@ -79,15 +86,15 @@ def _check_simulation(workers: object, compute_s: object, message_s: object, str
 
 def simulate_parameter_server(mode: str = "sync", workers: int = 4, updates: int = 20, *, compute_s: float = 1.0,
                               message_s: float = 0.0, staleness_bound: int | None = None, backup_workers: int = 0,
-                              stragglers: Stragglers | None = None) -> ServerTimeline:
+                              stragglers: Stragglers | None = None, max_delay: int | None = None) -> ServerTimeline:
     """Run ``mode``'s rule over ``workers`` workers until ``updates`` updates are made (the arguments of
-    ``run_parameter_server``, checked the same way: ``staleness_bound`` for ``"ssp"``, ``backup_workers`` of the
-    ``workers`` for ``"backup"``), each gradient taking ``compute_s`` plus the ``stragglers``' delay and each
-    message ``message_s`` seconds."""
+    ``run_parameter_server``, checked the same way: ``staleness_bound`` for ``"ssp"``, ``max_delay`` for
+    ``"bounded_delay"``, ``backup_workers`` of the ``workers`` for ``"backup"``), each gradient taking
+    ``compute_s`` plus the ``stragglers``' delay and each message ``message_s`` seconds."""
     stragglers = Stragglers() if stragglers is None else stragglers
     _check_simulation(workers, compute_s, message_s, stragglers)
-    _check(mode, updates, 1.0, staleness_bound, backup_workers, workers)  # the server's own rules (lr unused)
-    gate = Gate(mode, workers, staleness_bound, backup_workers)
+    _check(mode, updates, 1.0, staleness_bound, backup_workers, workers, max_delay)  # the server's (lr unused)
+    gate = Gate(mode, workers, staleness_bound, backup_workers, max_delay)
     generators = [stragglers.generator(worker) for worker in range(workers)]
     computes: list[list[tuple[float, float, int]]] = [[] for _ in range(workers)]
     holds: list[list[tuple[float, float]]] = [[] for _ in range(workers)]
@@ -129,7 +136,17 @@ def simulate_parameter_server(mode: str = "sync", workers: int = 4, updates: int
                 holds[index].append((since, now))
             if len(update_times) < updates:
                 release(index, gate.version, now)
-        if not in_flight and arrived:
+        if not in_flight and arrived and len(update_times) < updates:
             raise RuntimeError(f"the {mode} rule holds workers {sorted(arrived)} while no gradient is in flight")
-    return ServerTimeline(mode, workers, staleness_bound, backup_workers, compute_s, message_s, computes, holds,
-                          received, update_times)
+    return ServerTimeline(mode, workers, staleness_bound, backup_workers, max_delay, compute_s, message_s, computes,
+                          holds, received, update_times)
+
+
+def clock_gap(received: Sequence[Received], workers: int) -> int:
+    """SSP's promise read from a run's records (launched or simulated): the most clocks by which a worker, pulling
+    the weights for its gradient number ``c`` (its ``step``) at version ``v``, was ahead of the worker with the
+    fewest gradients applied before ``v``.  SSP (Ho et al.) keeps it ``<= s``: the weights pulled hold every
+    gradient of clocks ``<= c - s - 1``.  Under ssp every arrival is an update, so the count is each worker's
+    clock at the pull; under other rules (held gradients are not counted yet) it can only read higher."""
+    applied = [sorted(r.applied for r in received if r.worker == w and r.applied is not None) for w in range(workers)]
+    return max(r.step - min(bisect.bisect_left(versions, r.pulled) for versions in applied) for r in received)

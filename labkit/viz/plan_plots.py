@@ -31,7 +31,7 @@ GB = 1e9
 # The terms of StepTime.parts(), in the order a step is drawn (colours apart from the memory parts beside them).
 STEP_PARTS = {"compute": ("compute", "#1F4E79"), "tp": ("TP all-reduces", "#E69F00"),
               "bubble": ("pipeline bubble", "#CCB974"), "pp send": ("pipeline sends", "#C44E52"),
-              "dp": ("DP reduction (exposed)", "#17BECF"), "zero": ("ZeRO gathers", "#8C564B")}
+              "dp": ("DP reduction (exposed, and slowing compute)", "#17BECF"), "zero": ("ZeRO gathers", "#8C564B")}
 PREDICTED_COLOR, PUBLISHED_COLOR = "#0072B2", "#D55E00"  # Okabe & Ito: blue, vermillion
 
 
@@ -50,8 +50,9 @@ def _message(figure: Figure, text: str, color: str = "#B00000") -> None:
 def plot_plan(result: Any, device_memory_bytes: float | None = None,
               title: str = "The planner's best configurations") -> Figure:
     """One row per candidate of ``result`` (a :class:`~labkit.costmodel.planner.PlanResult`, fastest on top),
-    labelled with its layout.  Left: the memory per GPU stacked in GB (weights, gradients, optimizer states,
-    activations), a dashed line at ``device_memory_bytes``.  Right: the predicted step stacked in seconds by
+    labelled with its layout.  Left: the memory of the fullest GPU stacked in GB (weights, gradients, optimizer
+    states, activations), a dashed line at ``device_memory_bytes`` and, where the plan kept a margin free
+    (``result.usable_bytes``), a dotted one at what it could fill.  Right: the predicted step stacked in seconds by
     term (:data:`STEP_PARTS`), its total and MFU written at its end.  A plan with no candidate is drawn as its
     :meth:`~labkit.costmodel.planner.PlanResult.reason`, in red."""
     _check_positive("device_memory_bytes", device_memory_bytes)
@@ -81,6 +82,10 @@ def plot_plan(result: Any, device_memory_bytes: float | None = None,
         memory_axis.axvline(limit, color="black", linestyle="--", linewidth=1.3, gid="device memory",
                             label=f"device memory: {limit:g} GB")
         right = max(right, limit)
+    usable = getattr(result, "usable_bytes", None)
+    if usable is not None and (device_memory_bytes is None or usable < device_memory_bytes):
+        memory_axis.axvline(usable / GB, color="black", linestyle=":", linewidth=1.3, gid="usable memory",
+                            label=f"planned up to: {usable / GB:g} GB")
     for position, total in zip(positions, totals, strict=True):
         memory_axis.text(total, position, f" {total:.1f}", va="center", fontsize=7,
                          bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 0.4})

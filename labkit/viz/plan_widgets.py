@@ -10,7 +10,8 @@ from matplotlib.figure import Figure
 from labkit.costmodel import compute
 from labkit.costmodel.memory import MODEL_SHAPES, num_parameters
 from labkit.costmodel.planner import Cluster, plan
-from labkit.costmodel.published import EFFICIENCY
+from labkit.costmodel.published import MEGATRON_WEAK_SCALING
+from labkit.costmodel.validation import EFFICIENCY
 from labkit.viz import plan_plots
 from labkit.viz.plots import figure_to_png
 from labkit.viz.widgets import ROW, connect
@@ -23,6 +24,9 @@ SEQUENCE_LENGTHS = (512, 1024, 2048, 4096, 8192)
 # micro-batches of 1 and 2 sequences, no GPipe (1F1B's bubble, with more activations held), ZeRO 0, 2 and 3
 # (ZeRO-2 holds less than ZeRO-1 and reduce-scatters instead of all-reducing); recomputation or not.
 CHOICES = {"micro_batches": (1, 2), "schedules": ("1f1b", "interleaved", "zb-h1"), "zero_stages": (0, 2, 3)}
+# How the plans are run: as the efficiency's fit set was (flash attention, fp32 gradients, TP and the weights'
+# gather overlapped: labkit.costmodel.published)
+RUN_AS = MEGATRON_WEAK_SCALING[0].plan_options()
 TOP = 4
 
 
@@ -31,8 +35,8 @@ def plan_explorer(model: str = "gpt3-175b", device: str = "H100 80GB", gpus: int
     """Choose a model (:data:`labkit.costmodel.memory.MODEL_SHAPES`), a device
     (:data:`labkit.costmodel.compute.GPUS`), the number of GPUs, the global batch (sequences) and the sequence
     length: the planner's :data:`TOP` fastest layouts that fit (:func:`~labkit.viz.plan_plots.plot_plan`),
-    their matrices at the efficiency fitted to published runs
-    (:data:`labkit.costmodel.published.EFFICIENCY`), searched over :data:`CHOICES`."""
+    their matrices at the efficiency fitted to published runs (:data:`labkit.costmodel.validation.EFFICIENCY`),
+    run as Megatron-LM's README runs were (:data:`RUN_AS`), searched over :data:`CHOICES`."""
     model_choice = widgets.Dropdown(options=[(f"{name} ({num_parameters(shape) / 1e9:.3g}B)", name)
                                              for name, shape in MODEL_SHAPES.items()], value=model, description="model")
     device_choice = widgets.Dropdown(options=list(compute.GPUS), value=device, description="device")
@@ -51,7 +55,7 @@ def plan_explorer(model: str = "gpt3-175b", device: str = "H100 80GB", gpus: int
         title = (f"{name}, {batch} sequences of {length} tokens a step, on {n} {gpu.name} GPUs: the fastest "
                  f"layouts that fit (matrices at {EFFICIENCY:.0%} of peak)")
         try:
-            result = plan(shape, Cluster(gpu, n, EFFICIENCY), batch, top=TOP, **CHOICES)
+            result = plan(shape, Cluster(gpu, n, EFFICIENCY), batch, top=TOP, **CHOICES, **RUN_AS)
         except ValueError as error:  # the library's refusal, named
             summary.value = f"<small><b>ValueError</b>: {error}</small>"
             figure = Figure(figsize=(12, 1.6))

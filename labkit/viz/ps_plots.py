@@ -1,4 +1,4 @@
-"""Plots of lesson 08 (a parameter server: synchronous, asynchronous, bounded-staleness, backup workers).
+"""Plots of lesson 08 (a parameter server: synchronous, asynchronous, SSP, bounded delay, backup workers).
 
 :func:`plot_ps_timeline` draws a simulated run (``labkit.parallel.ps_simulate``): what each worker computed, on
 which version, and how long the server held it.  :func:`plot_staleness` and :func:`plot_loss_curves_ps` read
@@ -33,7 +33,8 @@ from labkit.viz.training_plots import _smooth
 from labkit.viz.widgets import ROW, connect
 
 # Okabe & Ito's colour-blind-safe palette, one colour per mode.
-MODE_COLORS = {"sync": "#0072B2", "async": "#D55E00", "ssp": "#009E73", "backup": "#CC79A7"}
+MODE_COLORS = {"sync": "#0072B2", "async": "#D55E00", "ssp": "#009E73", "bounded_delay": "#E69F00",
+               "backup": "#CC79A7"}
 APPLIED, DROPPED, HELD = "#0072B2", "#BBBBBB", "#E69F00"
 SERIES_COLORS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00"]
 ROW_HEIGHT = 0.7
@@ -53,9 +54,12 @@ def _write_labels(axis: Axes, labels: list[tuple[float, float, float, str]], gid
             axis.text(x, y, text, ha="center", va="center", fontsize=7, gid=gid, clip_on=True)
 
 
-def describe(mode: str, workers: int, backup_workers: int = 0, staleness_bound: int | None = None) -> str:
-    """``"backup: N = 5, b = 1"``: a mode and the numbers that define it."""
-    extra = f", b = {backup_workers}" if mode == "backup" else f", s = {staleness_bound}" if mode == "ssp" else ""
+def describe(mode: str, workers: int, backup_workers: int = 0, staleness_bound: int | None = None,
+             max_delay: int | None = None) -> str:
+    """``"backup: N = 5, b = 1"``: a mode and the numbers that define it (``s`` SSP's clock bound, ``τ``
+    the bounded delay's)."""
+    extra = {"backup": f", b = {backup_workers}", "ssp": f", s = {staleness_bound}",
+             "bounded_delay": f", τ = {max_delay}"}.get(mode, "")
     return f"{mode}: N = {workers}{extra}"
 
 
@@ -99,7 +103,8 @@ def plot_ps_timeline(timeline: ServerTimeline, ax: Axes | None = None, until_s: 
     axis.set_yticks(range(n + 1), [f"worker {w}" for w in reversed(range(n))] + ["server\n(updates)"], fontsize=8)
     axis.set_xlabel("time (ms)")
     staleness = timeline.staleness()
-    axis.set_title(title or f"{describe(timeline.mode, n, timeline.backup_workers, timeline.staleness_bound)}; "
+    named = describe(timeline.mode, n, timeline.backup_workers, timeline.staleness_bound, timeline.max_delay)
+    axis.set_title(title or f"{named}; "
                    f"{1e3 * timeline.seconds_per_update:.3g} ms per update, mean staleness "
                    f"{statistics.mean(staleness):.2f} (updates)", fontsize=10)
     handles = [matplotlib_patches.Patch(facecolor=_lighter(APPLIED, 0.35), edgecolor="black",
@@ -124,7 +129,8 @@ def plot_staleness(staleness: Mapping[str, Sequence[int]], model_mean: float | N
     """Histogram of staleness (updates between a gradient's pull and its application) as % of the applied
     gradients, one set of bars per series side by side (e.g. ``{"measured": run.staleness(), "simulated":
     timeline.staleness()}``), each series' mean in its legend; ``model_mean`` a dashed line (``N - 1`` for
-    asynchronous training, ``0`` synchronous) and ``bound`` (SSP's ``s``) a dotted one."""
+    asynchronous training, ``0`` synchronous) and ``bound`` (the bounded delay's ``τ``: SSP's ``s`` bounds clocks,
+    not staleness) a dotted one.  Every integer is a tick while they fit, and the axis spans at least 0 to 1."""
     if not staleness or not all(staleness.values()):
         raise ValueError(f"every series needs at least one staleness value, got {dict(staleness)!r}")
     axis = Figure(figsize=(6.0, 4.0)).subplots() if ax is None else ax
@@ -137,8 +143,14 @@ def plot_staleness(staleness: Mapping[str, Sequence[int]], model_mean: float | N
     if model_mean is not None:
         axis.axvline(model_mean, color="black", linestyle="--", linewidth=1.2, label=f"model mean {model_mean:.3g}")
     if bound is not None:
-        axis.axvline(bound + 0.5, color="#B00000", linestyle=":", linewidth=1.5, label=f"bound s = {bound}")
-    axis.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=12))
+        axis.axvline(bound + 0.5, color="#B00000", linestyle=":", linewidth=1.5, label=f"bound τ = {bound}")
+    right = max(len(values) - 1, bound if bound is not None else 0, math.ceil(model_mean or 0), 1)
+    axis.set_xlim(-0.6, right + 0.6)
+    if right <= 12:
+        axis.set_xticks(range(right + 1))
+    else:
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=12))
+    axis.set_ylim(0, 1.3 * axis.get_ylim()[1])  # room for the legend above the bars
     axis.set_xlabel("staleness (updates between pull and apply)")
     axis.set_ylabel("applied gradients (%)")
     axis.set_title(title or "Staleness of the applied gradients", fontsize=10)
@@ -223,6 +235,11 @@ def plot_sync_update_vs_workers(workers: Sequence[int], simulated_s: Mapping[str
     return axis
 
 
+def _tick(label: str) -> str:
+    """A bar's label on lines of at most 12 characters, never breaking a word: ``"bounded_delay:\nN = 4, τ = 2"``."""
+    return textwrap.fill(label, 12, break_long_words=False, break_on_hyphens=False)
+
+
 def plot_seconds_per_update(simulated: Mapping[str, ServerTimeline], model: Mapping[str, Throughput | None],
                             ax: Axes | None = None, title: str | None = None) -> Axes:
     """Wall-clock per update (ms) of each simulated run (solid bars, labelled with their mean staleness) beside
@@ -252,11 +269,11 @@ def plot_seconds_per_update(simulated: Mapping[str, ServerTimeline], model: Mapp
         else:
             axis.text(index + 0.2, 0, " no closed form", ha="center", va="bottom", rotation=90, fontsize=7,
                       color="gray")
-    axis.set_xticks(range(len(labels)), [textwrap.fill(label, 12) for label in labels], fontsize=7)
+    axis.set_xticks(range(len(labels)), [_tick(label) for label in labels], fontsize=7)
     axis.set_xlim(-0.6, len(labels) - 0.4)
     axis.set_ylabel("wall-clock per update (ms)")
     axis.set_ylim(0, 1.3 * axis.get_ylim()[1])  # room for the labels and the legend
-    axis.set_title(title or "Seconds per update: simulated beside the model", fontsize=10)
+    axis.set_title(title or "Wall-clock per update (ms): simulated beside the model", fontsize=10)
     axis.legend(fontsize=7, loc="upper right")
     if ax is None:
         axis.figure.tight_layout()
@@ -271,7 +288,8 @@ def plot_ps_overview(timeline: ServerTimeline | None, staleness: Mapping[str, Se
     it :func:`plot_staleness` and :func:`plot_seconds_per_update`."""
     rows = timeline.workers + 1 if timeline is not None else 3
     figure = Figure(figsize=(12, 4.4 + 0.36 * rows))
-    axes = figure.subplot_mosaic([["timeline"] * 2, ["staleness", "seconds"]], height_ratios=[0.6 + 0.36 * rows, 3.2])
+    axes = figure.subplot_mosaic([["timeline"] * 2, ["staleness", "seconds"]], height_ratios=[0.6 + 0.36 * rows, 3.2],
+                                 width_ratios=[1, 1.45])
     mean_height = (figure.get_figheight() - 0.7 - 0.75 - 1.0) / 2  # inches: margins, and 1 inch between the rows
     figure.subplots_adjust(left=0.08, right=0.75, top=1 - 0.7 / figure.get_figheight(),
                            bottom=0.75 / figure.get_figheight(), hspace=1.0 / mean_height, wspace=0.3)
@@ -296,10 +314,14 @@ def _model_text(mode: str, n: int, b: int, fixed: bool, size_ms: float, message_
                 predicted: Throughput | None) -> str:
     """The closed form behind ``predicted``, with the numbers in it."""
     if predicted is None:
-        return "no closed form (between sync, s = 0, and async)"
+        return ("no closed form (between sync, s = 0, and async; with a fixed straggler, its pace)" if mode == "ssp"
+                else "no closed form (between sync, τ = 0, and async)")
     base = f"{COMPUTE_MS:g} + 2·{message_ms:g}"
     if mode == "async":
         return f"1 / Σ 1/c_i (c_i: each worker's mean round trip) = {1e3 * predicted.seconds_per_update:.3g} ms"
+    if mode == "ssp":
+        return (f"the slowest worker's round trip / N = ({base} + {size_ms if fixed else 0:g}) / {n} = "
+                f"{1e3 * predicted.seconds_per_update:.3g} ms (in the long run, all go at its pace)")
     b = b if mode == "backup" else 0
     if fixed:
         delay = f" + {size_ms:g} (the slow worker)" if b == 0 else " (the slow worker is among the dropped)"
@@ -311,17 +333,19 @@ def _model_text(mode: str, n: int, b: int, fixed: bool, size_ms: float, message_
 
 def ps_explorer(mode: str = "sync", workers: int = 4, backup_workers: int = 1, staleness_bound: int = 2,
                 straggler: str = STRAGGLERS[1], straggler_ms: float = 4.0, message_ms: float = 0.5,
-                updates: int = 300) -> widgets.VBox:
-    """A parameter server in time (lesson 08): mode, workers ``N``, backup workers ``b``, staleness bound ``s``,
-    the kind and size of the stragglers, and the message time -> the chosen mode's simulated timeline (the
-    first few steps), its staleness histogram beside the model's mean (``N - 1`` asynchronous, 0 synchronous)
-    or bound, and every mode's wall-clock per update over ``updates`` simulated updates beside the closed form
-    (``compute + 2 message + mu H_N`` for sync).  ``b`` is read by backup, ``s`` by SSP: their bars move
-    whatever the chosen mode.  Compute is 10 ms per gradient; the slow worker is the last."""
+                updates: int = 300, max_delay: int = 2) -> widgets.VBox:
+    """A parameter server in time (lesson 08): mode, workers ``N``, backup workers ``b``, SSP's clock bound ``s``,
+    the bounded delay ``τ``, the kind and size of the stragglers, and the message time -> the chosen mode's
+    simulated timeline (the first few steps), its staleness histogram beside the model's mean (``N - 1``
+    asynchronous, 0 synchronous) or the bound ``τ``, and every mode's wall-clock per update over ``updates``
+    simulated updates beside the closed form (``compute + 2 message + mu H_N`` for sync).  ``b``, ``s`` and
+    ``τ`` are each read by one mode, whose bar moves whatever the chosen mode.  Compute is 10 ms per gradient;
+    the slow worker is the last.  A combination no server can run (``b >= N``) is said in the figure."""
     mode_choice = widgets.Dropdown(options=list(MODES), value=mode, description="mode")
     worker_slider = widgets.IntSlider(value=workers, min=2, max=12, description="workers N")
     backup_slider = widgets.IntSlider(value=backup_workers, min=0, max=3, description="backup workers b")
-    bound_slider = widgets.IntSlider(value=staleness_bound, min=0, max=6, description="staleness bound s")
+    bound_slider = widgets.IntSlider(value=staleness_bound, min=0, max=6, description="ssp: clock bound s")
+    delay_slider = widgets.IntSlider(value=max_delay, min=0, max=6, description="bounded delay τ")
     straggler_choice = widgets.Dropdown(options=list(STRAGGLERS), value=straggler, description="straggler")
     size_slider = widgets.FloatSlider(value=straggler_ms, min=0.5, max=20.0, step=0.5,
                                       description="straggler delay (ms)")
@@ -330,43 +354,47 @@ def ps_explorer(mode: str = "sync", workers: int = 4, backup_workers: int = 1, s
     summary = widgets.HTML()
 
     def redraw() -> None:
-        n, b, s, chosen = worker_slider.value, backup_slider.value, bound_slider.value, mode_choice.value
+        n, b, s, tau, chosen = (worker_slider.value, backup_slider.value, bound_slider.value, delay_slider.value,
+                                mode_choice.value)
         size_ms, message_ms = size_slider.value, message_slider.value
         fixed = straggler_choice.value == STRAGGLERS[0]
         stragglers = Stragglers(slow={n - 1: size_ms / 1e3}) if fixed else Stragglers(exponential_mean_s=size_ms / 1e3)
         simulated, model, errors = {}, {}, {}
         for name in MODES:
-            options = {"ssp": {"staleness_bound": s}, "backup": {"backup_workers": b}}.get(name, {})
+            options = {"ssp": {"staleness_bound": s}, "bounded_delay": {"max_delay": tau},
+                       "backup": {"backup_workers": b}}.get(name, {})
             try:
                 timeline = simulate_parameter_server(name, n, updates, compute_s=COMPUTE_MS / 1e3,
                                                      message_s=message_ms / 1e3, stragglers=stragglers, **options)
             except ValueError as invalid:  # b must be < N
                 errors[name] = str(invalid)
                 continue
-            label = describe(name, n, b, s)
+            label = describe(name, n, b, s, tau)
             simulated[label] = timeline
             model[label] = throughput(name, n, COMPUTE_MS / 1e3, message_ms / 1e3, 0.0 if fixed else size_ms / 1e3,
                                       size_ms / 1e3 if fixed else 0.0, b if name == "backup" else 0)
-        label = describe(chosen, n, b, s)
+        label = describe(chosen, n, b, s, tau)
         timeline, error = simulated.get(label), errors.get(chosen)
         if timeline is None:
             summary.value = f"<small><b>{label} cannot run</b>: {error}</small>"
         else:
+            gradients = [sum(1 for r in timeline.applied if r.worker == w) for w in range(n)]
             summary.value = (f"<small>{label}: {1e3 * timeline.seconds_per_update:.3g} ms per update simulated, "
-                             f"{len(timeline.applied) / timeline.update_times_s[-1]:.0f} gradients/s applied; "
-                             f"model: {_model_text(chosen, n, b, fixed, size_ms, message_ms, model[label])}.  b is "
-                             "read by backup only, s by ssp only.</small>")
+                             f"{len(timeline.applied) / timeline.update_times_s[-1]:.0f} gradients/s applied "
+                             f"(per worker: {', '.join(map(str, gradients))}); model: "
+                             f"{_model_text(chosen, n, b, fixed, size_ms, message_ms, model[label])}.  b is read "
+                             "by backup only, s by ssp only, τ by bounded_delay only.</small>")
         caption = (f"compute {COMPUTE_MS:g} ms per gradient, messages {message_ms:g} ms each way; straggler: "
                    f"{straggler_choice.value}, {size_ms:g} ms; {updates} updates simulated per mode")
         figure = plot_ps_overview(timeline, {"simulated": timeline.staleness()} if timeline else {}, simulated, model,
                                   model_mean={"sync": 0, "backup": 0, "async": n - 1}.get(chosen),
-                                  bound=s if chosen == "ssp" else None,
+                                  bound=tau if chosen == "bounded_delay" else None,
                                   until_s=6 * (COMPUTE_MS + 2 * message_ms + size_ms) / 1e3, error=error,
                                   caption=caption)
         picture.value = plots.figure_to_png(figure)
 
-    controls = (mode_choice, worker_slider, backup_slider, bound_slider, straggler_choice, size_slider,
+    controls = (mode_choice, worker_slider, backup_slider, bound_slider, delay_slider, straggler_choice, size_slider,
                 message_slider)
     connect(controls, redraw)
-    return widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:4])), widgets.VBox(list(controls[4:]))],
+    return widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:5])), widgets.VBox(list(controls[5:]))],
                                       layout=ROW), summary, picture])

@@ -8,10 +8,12 @@ Matrices are drawn as the Megatron-LM paper writes them (Shoeybi et al. 2019, ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from matplotlib import patches as matplotlib_patches
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
 from labkit.viz.plots import RANK_COLORS
 
@@ -202,11 +204,20 @@ def plot_layer_time(degrees: Sequence[int], compute_s: Sequence[float], communic
     if communication_s[chosen_link][position] > 0:
         curve_axis.scatter([chosen_degree], [communication_s[chosen_link][position] * 1e3],
                            color=KIND_COLORS["all_reduce"], zorder=3, label=f"t = {chosen_degree}")
-    if node_size is not None:
+    if node_size is not None and node_size <= max(degrees):  # the node's edge, where the degrees reach it
         curve_axis.axvline(node_size, color="gray", linestyle=":", label=f"one node: {node_size} GPUs")
     ticks = [t for t in (1, 2, 4, 8, 16, 32, 64, 128, 256) if min(degrees) <= t <= max(degrees)]
     curve_axis.set_xticks(ticks, [str(t) for t in ticks])
     curve_axis.minorticks_off()
+    # The time axis: labelled numbers at 1, 2 and 5 per decade when the curves span few decades (a single
+    # "10^2" otherwise), fewer as the span grows, so that the labels never crowd.
+    drawn = [value * 1e3 for value in compute_s] + [value * 1e3 for values in communication_s.values()
+                                                     for value in values if value > 0]
+    decades = math.log10(max(drawn) / min(drawn)) if drawn and min(drawn) > 0 else 0.0
+    subs = (1.0, 2.0, 5.0) if decades <= 2.5 else (1.0, 3.0) if decades <= 4 else (1.0,)
+    curve_axis.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    curve_axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    curve_axis.yaxis.set_minor_locator(NullLocator())
     curve_axis.set_xlabel("tensor-parallel degree t (GPUs)")
     curve_axis.set_ylabel("time per layer (ms)")
     curve_axis.set_title(title, fontsize=10)
@@ -225,7 +236,7 @@ def plot_layer_time(degrees: Sequence[int], compute_s: Sequence[float], communic
                         fontsize=8)
     bar_axis.invert_yaxis()
     right = max(compute_s[position] + communication_s[label][position] for label in labels) * 1e3
-    bar_axis.set_xlim(0, 1.45 * right if right else 1.0)
+    bar_axis.set_xlim(0, 1.6 * right if right else 1.0)  # room for the share written after each bar
     bar_axis.set_xlabel("time per layer (ms)")
     bar_axis.set_title(f"at t = {chosen_degree}, none of it overlapped", fontsize=10)
     bar_axis.legend(fontsize=8, loc="lower right")

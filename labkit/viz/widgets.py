@@ -287,52 +287,81 @@ GPU_LINKS = {"NVLink 4 (inside a node)": hardware.NVLINK.model(),
              "InfiniBand NDR (across nodes)": hardware.INFINIBAND.model()}
 
 
+HEAD_DIM = 128  # the explorer's head size: GPT-3's and Llama 2's (12288 / 96, 4096 / 32, 8192 / 64)
+KV_HEADS = {"one per query head (multi-head)": None, "8, shared by groups of query heads (GQA)": 8}
+
+
 def tensor_parallel_explorer(hidden_size: int = 8192, seq_len: int = 4096, micro_batch: int = 1,
                              tp_degree: int = 8, gpu: str = "H100 80GB", links: dict | None = None,
-                             node_size: int = 8) -> widgets.VBox:
+                             node_size: int = 8, kv_heads: int | None = None) -> widgets.VBox:
     """Tensor parallelism per layer on GPUs (lesson 06): the degree ``t``, hidden size, sequence length,
-    micro-batch, GPU and link -> one layer's compute (``layer_training_flops / t`` at the GPU's dense bf16 peak)
-    against its communication (two all-reduces of ``b s h`` bf16 values forward, two backward, on a ring over
-    the link, none overlapped), for every ``t`` from 1 to 64 (``tensor_parallel.tensor_parallel_layer_time``).
-    It shows why tensor parallelism stays inside a node: the compute falls as ``1/t``, the communication does
-    not fall at all, and across InfiniBand it is most of the layer's time.
+    micro-batch, key/value heads, GPU and link -> one layer's compute (``layer_training_flops / t`` at the GPU's
+    dense bf16 peak) against its communication (two all-reduces of ``b s h`` bf16 values forward, two backward,
+    on a ring over the link, none overlapped), for every valid ``t`` up to 64
+    (``tensor_parallel.tensor_parallel_layer_time``).  It shows why tensor parallelism stays inside a node: the
+    compute falls as ``1/t``, the communication does not fall at all, and across InfiniBand it is most of the
+    layer's time.
 
-    ``links``: name -> ``collectives.LinkModel``, default :data:`GPU_LINKS`, per GPU and per direction:
+    **Only degrees that split whole heads.**  The layer has ``h / 128`` heads (:data:`HEAD_DIM`, as GPT-3 and
+    Llama 2), and ``t`` must divide them and ``h``; with grouped-query attention (``kv_heads=8``, Llama-2-70B's 8
+    key/value heads) it must divide the key/value heads too, as Megatron-LM requires
+    (``tensor_parallel.tensor_parallel_size_problem``).  A ``t`` that does not is refused: the slider moves to
+    the nearest degree that is valid, and the caption says why.  The curves are drawn at the valid degrees.
 
-    - NVLink 4 on H100 SXM: 900 GB/s of total bandwidth, both directions together, so 450 GB/s each way, to the
-      other GPUs of an 8-GPU node through NVSwitch (NVIDIA H100 Tensor Core GPU datasheet);
-    - InfiniBand NDR: 400 Gb/s = 50 GB/s per port, one ConnectX-7 port per GPU in a DGX H100 (NVIDIA DGX H100
-      datasheet; NDR is the InfiniBand Trade Association's 100 Gb/s-per-lane rate, 4 lanes to a port).
-
-    Their latencies are ``labkit.costmodel.hardware``'s (its docstring says where they come from).  Every link but the last reaches only the
-    ``node_size`` GPUs of one node, so a larger group's ring crosses the last link and is as slow as it is:
-    past ``node_size`` the others are costed as the last one.
+    ``links``: name -> ``collectives.LinkModel``, default :data:`GPU_LINKS`, per GPU and per direction: NVLink 4
+    on an H100 SXM to the other GPUs of an 8-GPU node through NVSwitch, and InfiniBand NDR, one ConnectX-7 port
+    per GPU in a DGX H100 (bandwidths and latencies from ``labkit.costmodel.hardware``, which cites the NVIDIA
+    datasheets and NCCL's tuning model).  Every link but the last reaches only the ``node_size`` GPUs of one
+    node, so a larger group's ring crosses the last link and is as slow as it is: past ``node_size`` the others
+    are costed as the last one.
     """
     links = dict(GPU_LINKS if links is None else links)
     across = list(links)[-1]
+    kv_label = next(label for label, value in KV_HEADS.items() if value == kv_heads)
     degree_slider = widgets.IntSlider(value=tp_degree, min=1, max=64, description="TP degree t")
     hidden_slider = widgets.IntSlider(value=hidden_size, min=512, max=16384, step=256, description="hidden h")
     sequence_slider = widgets.IntSlider(value=seq_len, min=128, max=32768, step=128, description="sequence s")
     batch_slider = widgets.IntSlider(value=micro_batch, min=1, max=16, description="micro-batch b")
+    kv_choice = widgets.Dropdown(options=list(KV_HEADS), value=kv_label, description="key/value heads")
     gpu_choice = widgets.Dropdown(options=list(compute.GPUS), value=gpu, description="GPU")
     link_choice = widgets.Dropdown(options=list(links), description="link")
     picture = widgets.Image(format="png")
     summary = widgets.HTML()
-    degrees = list(range(1, 65))
+    refused = {"degree": None, "text": ""}  # a refused t, said in the caption of the redraw at the valid one
 
     def redraw() -> None:
         b, s, h, t = batch_slider.value, sequence_slider.value, hidden_slider.value, degree_slider.value
+        heads, kv = h // HEAD_DIM, KV_HEADS[kv_choice.value]
+        notes = []
+        kv_line = f"{heads} heads of {HEAD_DIM}, " + (f"sharing {kv} key/value heads (GQA)" if kv else
+                                                          "one key/value head each")
+        if kv is not None and heads % kv:
+            notes.append(f"{heads} query heads cannot be shared evenly by {kv} key/value heads: drawn with one "
+                         "key/value head per query head")
+            kv_line = f"{heads} heads of {HEAD_DIM}: {kv} key/value heads cannot share them, one each"
+            kv = None
+        degrees = tensor_parallel.valid_tp_degrees(h, heads, kv, limit=degree_slider.max)
+        problem = tensor_parallel.tensor_parallel_size_problem(h, heads, t, kv)
+        if problem:
+            valid = min(degrees, key=lambda degree: (abs(degree - t), degree))
+            refused.update(degree=valid, text=f"t = {t} refused: {problem}; moved to t = {valid}, the nearest "
+                                              "degree that splits whole heads")
+            degree_slider.value = valid  # redraws again, at the valid degree (connect: the last state wins)
+            return
+        if refused["degree"] == t:
+            notes.insert(0, refused["text"])
+        refused.update(degree=None, text="")
         peak = compute.GPUS[gpu_choice.value].peak_bf16_flops
         times = {label: [tensor_parallel.tensor_parallel_layer_time(
             b, s, h, n, peak, links[label] if n <= node_size else links[across]) for n in degrees]
             for label in links}
-        chosen, link = times[link_choice.value][t - 1], link_choice.value.split(" (")[0]
+        chosen, link = times[link_choice.value][degrees.index(t)], link_choice.value.split(" (")[0]
         curves = {(label if label == across else f"{label}, {across.split(' (')[0]} past {node_size} GPUs"):
                   [time.communication_s for time in values] for label, values in times.items()}
         chosen_label = next(label for label in curves if label.startswith(link_choice.value))
+        title = f"one layer, h = {h}, s = {s}, b = {b}, bf16, {gpu_choice.value}\n{kv_line}"
         figure = tensor_plots.plot_layer_time(degrees, [time.compute_s for time in times[across]], curves, t,
-                                              chosen_label, node_size=node_size,
-                                              title=f"one layer, h = {h}, s = {s}, b = {b}, bf16, {gpu_choice.value}")
+                                              chosen_label, node_size=node_size, title=title)
         picture.value = plots.figure_to_png(figure)
         if t == 1:
             text = f"t = 1, one GPU: {chosen.compute_s * 1e3:.3g} ms of compute per layer, no communication"
@@ -343,9 +372,14 @@ def tensor_parallel_explorer(hidden_size: int = 8192, seq_len: int = 4096, micro
                     + f": compute {chosen.compute_s * 1e3:.3g} ms, communication {chosen.communication_s * 1e3:.3g} "
                       f"ms per layer, {chosen.communication_fraction:.0%} of its time; {chosen.collectives} "
                       f"all-reduces of b·s·h = {b * s * h * 2 / 1e6:,.1f} MB each")
-        summary.value = f"<small>{text}</small>"
+        heads_text = f"{heads} heads of {HEAD_DIM}" + (f", {kv} key/value heads" if kv else "")
+        notes.append(f"h = {h}: {heads_text}; t may be {', '.join(map(str, degrees))}")
+        summary.value = f"<small>{text}<br>" + "<br>".join(notes) + "</small>"
 
-    connect((degree_slider, hidden_slider, sequence_slider, batch_slider, gpu_choice, link_choice), redraw)
-    controls = widgets.HBox([widgets.VBox([degree_slider, hidden_slider, sequence_slider]),
-                             widgets.VBox([batch_slider, gpu_choice, link_choice])], layout=ROW)
+    # The GPU first among the dropdowns: moving it away and back never moves another control (the browser
+    # test's fresh draw), where the key/value heads may move t to a valid degree.
+    connect((degree_slider, hidden_slider, sequence_slider, batch_slider, gpu_choice, link_choice, kv_choice),
+            redraw)
+    controls = widgets.HBox([widgets.VBox([degree_slider, hidden_slider, sequence_slider, batch_slider]),
+                             widgets.VBox([gpu_choice, link_choice, kv_choice])], layout=ROW)
     return widgets.VBox([controls, summary, picture])

@@ -1,144 +1,191 @@
-"""Checks for exercise 10 (``10_3d_parallelism.py``): megatron_groups, the ranks of every TP, DP and PP group.
+"""Checks for exercise 10 (``10_3d_parallelism.py``): a mesh laid out in any order, and the nodes its groups span.
 
-The student's function gives the groups of the layouts in :data:`LAYOUTS`: 1 to 64 ranks, each dimension alone,
-two at a time, cubes and degrees that differ (``dp = 3, tp = 4, pp = 2``), so an answer that mixes two degrees
-up is right only where they happen to be equal.  Three checks:
+The student writes ``coordinates(rank, sizes, order)`` (the mixed-radix digits of a rank, the first dimension of
+``order`` innermost, as Megatron-Core's ``order="tp-cp-ep-dp-pp"``), ``groups(sizes, order)`` and
+``nodes_spanned(sizes, order, gpus_per_node)``.  :data:`CASES` mixes orders (labkit's ``"tp-dp-pp"``, dp or pp
+innermost, tp outermost), sizes that differ (so that an answer that mixes two sizes up is right only where they
+are equal), a degree of 1, a fourth dimension (``cp``) and a world of one rank; :data:`NODE_SIZES` includes
+nodes that neither divide the world nor the groups (3 GPUs a node), where a group of 3 ranks straddles two nodes
+and the last node is partly empty.  Three checks, one per function:
 
-1. the groups form a grid: for each dimension, ``world_size // degree`` groups of ``degree`` ranks (ints) that
-   together hold every rank once, and no two ranks share two groups (two ranks in one TP group differ in their
-   tp coordinate only, so they cannot also share a DP or a PP group);
-2. every TP group stays inside one node: with 8 GPUs a node (and with 4, where the group fits), its ranks
-   ``r`` have the same ``r // gpus``: ``torchrun``'s numbering, node by node;
-3. the groups are Megatron's: ``rank = (pp * dp_size + dp) * tp_size + tp``, compared as sets (the order of
-   the groups and inside them does not count).
+1. ``coordinates`` gives every rank of every case the reference's digits, as ints (so it is a bijection onto
+   the grid);
+2. ``groups`` gives, for every dimension, the reference's groups, compared as sets (the order of the groups and
+   inside them does not count; a group may be a list, a tuple or a set of ints), after checking their count and
+   sizes;
+3. ``nodes_spanned`` gives, for every dimension and node size, the most nodes one of its groups spans.
 
-An order with dp fastest is a grid but sends TP across nodes (checks 2 and 3 fail); picotron's grid,
-``arange(world_size).view(dp, pp, tp)``, keeps TP inside a node but is not Megatron's (check 3 fails).
-:mod:`labkit.grading.guard` forbids labkit's own layout (``labkit.mesh``: ``mesh_groups`` is this exercise's
-answer) and torch's ``DeviceMesh``.
+Each check also draws two cases at random (3 to 5 dimensions, ``ep`` among them, degrees of 1 to 4, any order,
+one more node size), so that no table of the fixed cases passes; none of the three may change the ``sizes`` it
+is given.
+
+Reading the order outermost first, dividing by the wrong dimension's size, grouping ranks by their own
+coordinate instead of the others, counting nodes as ``ceil(len(group) / gpus_per_node)`` (as if groups were
+aligned runs) or numbering nodes round robin each fail a check.  :mod:`labkit.grading.guard` forbids labkit's own
+layout (``labkit.mesh``, which lays out ``"tp-dp-pp"``; ``labkit.viz.mesh_plots.group_links``), torch's ``DeviceMesh``
+and the layout algebra under it (``torch.distributed._mesh_layout``, ``_pycute``), and this checker's own
+reference (:func:`~labkit.grading.guard.graders_off_limits`).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import random
+
 from labkit.grading import CheckFailed, guard
 
-# (world_size, dp, tp, pp): the first failing layout is the one reported, so the common cube comes first.
-LAYOUTS = [(8, 2, 2, 2), (24, 3, 4, 2), (16, 2, 4, 2), (12, 3, 2, 2), (16, 4, 2, 2), (18, 3, 2, 3), (8, 1, 2, 4),
-           (8, 4, 1, 2), (8, 2, 4, 1), (32, 2, 8, 2), (64, 4, 8, 2), (6, 3, 1, 2), (8, 8, 1, 1), (8, 1, 8, 1),
-           (8, 1, 1, 8), (1, 1, 1, 1)]
-NODE_SIZES = (8, 4)  # GPUs per node
-DIMS = ("tp", "dp", "pp")
-BUILT_INS = ("torch.distributed.device_mesh",)  # labkit.mesh: in every check's guard (guard.LABKIT_IMPLEMENTATIONS)
+# (sizes, order): the first failing case is the one reported, so the lesson's cube comes first.
+CASES = [({"tp": 2, "dp": 2, "pp": 2}, "tp-dp-pp"), ({"tp": 4, "dp": 3, "pp": 2}, "tp-dp-pp"),
+         ({"tp": 4, "dp": 3, "pp": 2}, "dp-tp-pp"), ({"tp": 8, "dp": 2, "pp": 4}, "tp-pp-dp"),
+         ({"tp": 2, "dp": 4, "pp": 8}, "pp-dp-tp"), ({"tp": 3, "dp": 2, "pp": 2}, "tp-dp-pp"),
+         ({"tp": 2, "dp": 3, "pp": 5}, "dp-pp-tp"), ({"tp": 1, "dp": 6, "pp": 1}, "tp-dp-pp"),
+         ({"tp": 2, "cp": 2, "dp": 3, "pp": 2}, "tp-cp-dp-pp"), ({"tp": 1, "dp": 1, "pp": 1}, "tp-dp-pp")]
+NODE_SIZES = (8, 4, 3)  # GPUs per node
+BUILT_INS = ("torch.distributed.device_mesh", "torch.distributed._mesh_layout", "torch.distributed._pycute",
+             "labkit.viz.mesh_plots.group_links")  # labkit.mesh: always
+DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
+RANDOM = random.SystemRandom()  # not the random module's state, which the student's file could seed
 
 
-def _layout(world_size: int, dp: int, tp: int, pp: int) -> str:
-    return f"world_size={world_size}, dp={dp}, tp={tp}, pp={pp}"
+def _cases() -> list[tuple[dict[str, int], str]]:
+    """:data:`CASES` and two drawn at random: 3 to 5 dimensions, ep among them (so none is one of theirs), degrees
+    1 to 4, any order."""
+    drawn = []
+    while len(drawn) < 2:
+        dims = ["ep", *RANDOM.sample([dim for dim in DIMENSIONS if dim != "ep"], RANDOM.randint(2, 4))]
+        sizes = {dim: RANDOM.randint(1, 4) for dim in dims}
+        order = "-".join(RANDOM.sample(dims, len(dims)))
+        if 2 <= math.prod(sizes.values()) <= 128 and max(sizes.values()) > 1:
+            drawn.append((sizes, order))
+    return CASES + drawn
 
 
-def _reference(world_size: int, dp: int, tp: int, pp: int) -> dict[str, set[frozenset[int]]]:
-    """Megatron's groups, written out here as sets (the hints quote them)."""
-    def rank(p: int, d: int, t: int) -> int:
-        return (p * dp + d) * tp + t
-
-    return {"tp": {frozenset(rank(p, d, t) for t in range(tp)) for p in range(pp) for d in range(dp)},
-            "dp": {frozenset(rank(p, d, t) for d in range(dp)) for p in range(pp) for t in range(tp)},
-            "pp": {frozenset(rank(p, d, t) for p in range(pp)) for d in range(dp) for t in range(tp)}}
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _groups(module, world_size: int, dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
-    """The student's groups, of the promised types (``CheckFailed`` saying what came back otherwise)."""
-    call = f"megatron_groups({_layout(world_size, dp, tp, pp)})"
+def _case(sizes: dict[str, int], order: str) -> str:
+    return f"sizes={sizes}, order={order!r}"
+
+
+def _digits(rank: int, sizes: dict[str, int], order: str) -> dict[str, int]:
+    """The reference's coordinates (the hints quote them)."""
+    found = {}
+    for dim in order.split("-"):
+        rank, found[dim] = divmod(rank, sizes[dim])
+    return found
+
+
+def _reference_groups(sizes: dict[str, int], order: str) -> dict[str, set[frozenset[int]]]:
+    dims = order.split("-")
+    found: dict[str, dict[tuple, set[int]]] = {dim: {} for dim in dims}
+    for rank in range(math.prod(sizes.values())):
+        where = _digits(rank, sizes, order)
+        for dim in dims:
+            found[dim].setdefault(tuple(where[o] for o in dims if o != dim), set()).add(rank)
+    return {dim: {frozenset(group) for group in by_others.values()} for dim, by_others in found.items()}
+
+
+def _call(module, name: str, *args):
+    """The student's ``name(*args)`` (``CheckFailed`` saying what it raised, or that it changed ``sizes``)."""
+    given = [dict(arg) if isinstance(arg, dict) else arg for arg in args]
     try:
-        groups = module.megatron_groups(world_size, dp, tp, pp)
+        found = getattr(module, name)(*given)
     except (NotImplementedError, CheckFailed):
         raise
     except Exception as error:
-        raise CheckFailed(f"{call} raised {type(error).__name__}: {error}") from None
-    if not isinstance(groups, dict) or set(groups) != set(DIMS):
-        keys = sorted(map(repr, groups)) if isinstance(groups, dict) else None
-        raise CheckFailed(f"{call} returned {type(groups).__name__}" + (f" with keys {', '.join(keys)}" if keys
-                          else "") + '; return a dict with the keys "tp", "dp" and "pp"')
-    for dim in DIMS:
-        value = groups[dim]
-        if not (isinstance(value, list) and all(isinstance(group, list) and all(
-                isinstance(rank, int) and not isinstance(rank, bool) for rank in group) for group in value)):
-            raise CheckFailed(f'{call}["{dim}"] is {value!r:.120}; each dimension is a list of groups, each group '
-                              "a list of global ranks (ints)")
-    return groups
+        raise CheckFailed(f"{name}{tuple(args)!r} raised {type(error).__name__}: {error}") from None
+    if given != list(args):
+        raise CheckFailed(f"{name}{tuple(args)!r} changed the sizes it was given (to {given[1 if name == 'coordinates' else 0]}): "
+                          "the caller's dict is not yours to change; read it, or work on a copy")
+    return found
+
+
+def _mapping(value, call: str, keys, what: str) -> dict:
+    if not isinstance(value, dict) or set(value) != set(keys):
+        found = sorted(map(repr, value)) if isinstance(value, dict) else type(value).__name__
+        raise CheckFailed(f"{call} returned {found!s:.120}; return a dict with one entry per dimension, "
+                          f"{', '.join(map(repr, keys))}, each {what}")
+    return value
 
 
 @guard.no_shortcuts(built_ins=BUILT_INS)
-def check_the_groups_form_a_grid(module) -> None:
-    """each dimension's groups hold every rank once, in groups of its degree, and no two ranks share two groups"""
-    for layout in LAYOUTS:
-        world_size, dp, tp, pp = layout
-        groups = _groups(module, *layout)
-        degrees = {"tp": tp, "dp": dp, "pp": pp}
-        for dim in DIMS:
-            sizes = sorted({len(group) for group in groups[dim]})
-            if len(groups[dim]) != world_size // degrees[dim] or sizes != [degrees[dim]]:
-                raise CheckFailed(f"{_layout(*layout)}: {len(groups[dim])} {dim.upper()} group(s) of sizes {sizes}; "
-                                  f"expected world_size // {dim} = {world_size // degrees[dim]} groups of {dim} = "
-                                  f"{degrees[dim]} ranks (first group: {groups[dim][0] if groups[dim] else []})")
-            ranks = sorted(rank for group in groups[dim] for rank in group)
-            if ranks != list(range(world_size)):
-                twice = sorted({rank for rank in ranks if ranks.count(rank) > 1})
-                missing = sorted(set(range(world_size)) - set(ranks))
-                raise CheckFailed(f"{_layout(*layout)}: the {dim.upper()} groups hold " + (
-                    f"rank(s) {twice[:8]} more than once" if twice else "") + (" and " if twice and missing else "")
-                    + (f"not rank(s) {missing[:8]}" if missing else "") + (
-                    f"; ranks outside 0..{world_size - 1}" if not twice and not missing else "")
-                    + ": each rank belongs to one group of each dimension")
-        shared: dict[tuple[int, int], str] = {}
-        for dim in DIMS:
-            for group in map(sorted, groups[dim]):
-                for i, a in enumerate(group):
-                    for b in group[i + 1:]:
-                        if (a, b) in shared:
-                            raise CheckFailed(
-                                f"{_layout(*layout)}: ranks {a} and {b} share a {shared[a, b].upper()} group and a "
-                                f"{dim.upper()} group; two ranks of one group differ in that dimension's "
-                                "coordinate only, so they share no other group")
-                        shared[a, b] = dim
+def check_coordinates(module) -> None:
+    """coordinates(rank, sizes, order): every rank's digits, the first dimension of order innermost"""
+    for sizes, order in _cases():
+        for rank in range(math.prod(sizes.values())):
+            call = f"coordinates({rank}, {sizes}, {order!r})"
+            found = _mapping(_call(module, "coordinates", rank, sizes, order), call, sizes, "an int")
+            expected = _digits(rank, sizes, order)
+            if not all(_is_int(value) for value in found.values()):
+                raise CheckFailed(f"{call} returned {found}: each coordinate is an int (an index into the grid), "
+                                  "not a float: // and % (or divmod) keep ints")
+            if found != expected:
+                inner = order.split("-")[0]
+                raise CheckFailed(
+                    f"{call} returned {found}; expected {expected}. In {order!r} {inner} is innermost: its "
+                    f"coordinate is rank % {sizes[inner]}, and rank // {sizes[inner]} holds the others, read the "
+                    f"same way in the order's next dimension (rank = {_formula(sizes, order)})")
+
+
+def _formula(sizes: dict[str, int], order: str) -> str:
+    dims = order.split("-")
+    text = dims[-1]
+    for dim in reversed(dims[:-1]):
+        text = f"{dim} + {sizes[dim]} * ({text})"
+    return text
 
 
 @guard.no_shortcuts(built_ins=BUILT_INS)
-def check_every_tp_group_stays_inside_a_node(module) -> None:
-    """every TP group stays inside one node of 8 and of 4 GPUs (ranks numbered node by node)
+def check_groups(module) -> None:
+    """groups(sizes, order): each dimension's groups, the ranks that differ in that coordinate only"""
+    for sizes, order in _cases():
+        call = f"groups({sizes}, {order!r})"
+        world_size = math.prod(sizes.values())
+        found = _mapping(_call(module, "groups", sizes, order), call, sizes, "a list of groups")
+        expected = _reference_groups(sizes, order)
+        for dim, degree in sizes.items():
+            value = found[dim]
+            if not (isinstance(value, (list, tuple)) and all(isinstance(group, (list, tuple, set, frozenset))
+                                                              and all(map(_is_int, group)) for group in value)):
+                raise CheckFailed(f'{call}["{dim}"] is {value!r:.120}; each dimension is a list of groups, each '
+                                  "group a list of global ranks (ints)")
+            value = [[int(rank) for rank in group] for group in value]
+            sizes_found = sorted({len(group) for group in value})
+            if len(value) != world_size // degree or sizes_found != [degree]:
+                raise CheckFailed(f'{call}["{dim}"]: {len(value)} group(s) of sizes {sizes_found}; expected '
+                                  f"{world_size // degree} groups of {degree} ranks (world size {world_size} / "
+                                  f"{dim} = {degree})")
+            if {frozenset(group) for group in value} != expected[dim]:
+                wrong = [sorted(group) for group in value if frozenset(group) not in expected[dim]]
+                if not wrong:  # every group is right, but one comes twice and another is missing
+                    missing = min(sorted(group) for group in expected[dim] - {frozenset(g) for g in value})
+                    raise CheckFailed(f'{call}["{dim}"] repeats a group and misses {missing}')
+                rank = min(min(wrong))
+                right = sorted(next(group for group in expected[dim] if rank in group))
+                raise CheckFailed(f'{call}["{dim}"] includes {min(wrong)}, where the {dim.upper()} group of rank '
+                                  f"{rank} is {right}: the ranks whose coordinates other than {dim} equal rank "
+                                  f"{rank}'s ({_digits(rank, sizes, order)})")
 
-    TP's all-reduces run in every layer, on the critical path: a group split over two nodes would run them at
-    the network's speed."""
-    for layout in LAYOUTS:
-        world_size, dp, tp, pp = layout
-        groups = _groups(module, *layout)
-        for gpus in NODE_SIZES:
-            if tp > gpus or world_size % gpus:
-                continue
-            for group in groups["tp"]:
-                nodes = sorted({rank // gpus for rank in group})
-                if len(nodes) > 1:
+
+@guard.no_shortcuts(built_ins=BUILT_INS)
+def check_nodes_spanned(module) -> None:
+    """nodes_spanned(sizes, order, gpus_per_node): the most nodes a group of each dimension spans (8, 4, 3 GPUs)"""
+    for sizes, order in _cases():
+        groups = _reference_groups(sizes, order)
+        for gpus in (*NODE_SIZES, RANDOM.choice((2, 5, 6, 7))):
+            call = f"nodes_spanned({sizes}, {order!r}, {gpus})"
+            found = _mapping(_call(module, "nodes_spanned", sizes, order, gpus), call, sizes, "an int")
+            for dim in sizes:
+                spans = {group: len({rank // gpus for rank in group}) for group in groups[dim]}
+                most = max(spans.values())
+                if found[dim] != most or not _is_int(found[dim]):
+                    widest = sorted(max(spans, key=spans.get))
                     raise CheckFailed(
-                        f"{_layout(*layout)}, {gpus} GPUs a node: the TP group {sorted(group)} spans nodes {nodes} "
-                        f"(rank r is on node r // {gpus}); TP all-reduces activations in every layer, so its "
-                        "ranks must be neighbours: tp varies fastest, rank = (pp * dp_size + dp) * tp_size + tp")
+                        f"{call}[{dim!r}] is {found[dim]!r}; expected {most}, the nodes of the widest {dim.upper()} "
+                        f"group, {widest}: nodes {sorted({rank // gpus for rank in widest})} (torchrun puts rank r "
+                        f"on node r // {gpus}; a group need not start at a node's first GPU, nor be consecutive)")
 
 
-@guard.no_shortcuts(built_ins=BUILT_INS)
-def check_the_groups_are_megatrons(module) -> None:
-    """the groups are Megatron's, rank = (pp * dp_size + dp) * tp_size + tp, for degrees that differ too"""
-    for layout in LAYOUTS:
-        groups = _groups(module, *layout)
-        expected = _reference(*layout)
-        for dim in DIMS:
-            found = {frozenset(group) for group in groups[dim]}
-            if found != expected[dim]:
-                wrong = min((sorted(group) for group in groups[dim] if frozenset(group) not in expected[dim]),
-                            default=[])
-                right = min(sorted(group) for group in expected[dim] - found)
-                raise CheckFailed(f"{_layout(*layout)}: your {dim.upper()} groups include {wrong}, where Megatron's "
-                                  f"include {right} (all: {sorted(sorted(group) for group in expected[dim])[:6]}"
-                                  f"{' ...' if len(expected[dim]) > 6 else ''}); rank = (pp * dp_size + dp) * "
-                                  "tp_size + tp: tp steps by 1, dp by tp_size, pp by dp_size * tp_size")
-
-
-CHECKS = [check_the_groups_form_a_grid, check_every_tp_group_stays_inside_a_node, check_the_groups_are_megatrons]
+CHECKS = [check_coordinates, check_groups, check_nodes_spanned]

@@ -1,29 +1,26 @@
-"""Checks for exercise 08 (``08_parameter_server.py``): BoundedStaleness, the server's rule under bounded staleness.
+"""Checks for exercise 08 (``08_parameter_server.py``): BoundedDelay, the server's rule under a bounded delay ``tau``
+(no gradient applied more than ``tau`` updates stale; not Ho et al.'s SSP, which bounds clocks, not staleness).
 
-A :class:`_Referee` plays the server around the student's rule: it feeds it arrivals, keeps its own account of
-which workers compute (on which version), which gradients are held and which were applied, and holds every
-decision to what any bounded-staleness rule owes, whatever its details: it applies only gradients that are held,
-each once; it releases only workers whose gradients it applied; it counts each update in ``version``; no gradient,
-applied, held or still being computed, is (or will be) staler than the bound ``s``; and some worker always computes
-(when none does, nothing can arrive again: a rule that never releases a worker would stop the training for ever).
+A :class:`_Referee` plays the server around the student's rule, keeps its own account (who computes on which version,
+what is held, what was applied) and holds every decision to what any bounded-delay rule owes: it applies only held
+gradients, each once; releases only workers it applied; counts each update in ``version``; leaves no gradient
+(applied, held or being computed) staler than ``tau``; and keeps some worker computing (else training stops for
+ever).  An SSP in its place (each gradient applied on arrival, only its worker held) fails, and is named.
 
-1. over random arrival orders (1 to 6 workers, ``s`` from 0 to 4, every other order with one slow worker), every
+1. over random arrival orders (1 to 6 workers, ``tau`` 0 to 4, every other order with one slow worker), every
    decision passes the referee;
-2. every decision is Ho et al.'s: on arrivals played through labkit's own rule
-   (:class:`~labkit.parallel.parameter_server.Gate`, run when this module is imported, outside the guard), the
-   student's ``(apply, release)`` and ``version`` equal the reference's at each turn, ``s = 0`` (synchronous) and a
-   bound larger than any run (asynchronous) included.  A rule that holds one update too long fails here only; the
-   hint works out ``version + 1 - v`` for the oldest worker still computing, and recognises synchronous and
-   asynchronous training;
+2. every decision is the bounded delay's: on arrivals played through labkit's own rule (:class:`Gate`
+   ``"bounded_delay"``, run at import, outside the guard), the student's ``(apply, release)`` and ``version`` equal
+   the reference's at each turn, ``tau = 0`` (sync) and a bound larger than any run (async) included.  A rule that
+   holds one update too long, or keeps released workers on the old version, fails here only; the hint works out
+   ``version + 1 - v`` for the oldest worker computing, names sync, async and SSP, and points at wrong books;
 3. :func:`~labkit.parallel.parameter_server.run_parameter_server` trains TinyMLP on launched gloo ranks with the
-   student's rule behind an adapter (the referee, answering :class:`Decision`\\ s), worker 0 slow enough that the
-   others reach the bound while it computes: the run finishes, every gradient a worker sent is recorded once, the
-   budget of updates is spent, and none is staler than ``s``.  A rule that hangs becomes a failed check when the
-   launch times out; one the referee rejects fails the server's rank at once, with the referee's hint.
+   student's rule behind an adapter (the referee), worker 0 slow enough that the others reach the bound: the run
+   finishes, every gradient sent is recorded once, the budget is spent, none is staler than ``tau``.  A rule that
+   hangs fails when the launch times out; one the referee rejects fails the server's rank at once, with its hint.
 
 :mod:`labkit.grading.guard` forbids ``labkit.parallel`` as for every exercise, less the parameter server itself
-(:data:`CHECKER_TOOLS`: everything ``parameter_server`` and its messages, ``ps_messages``, define but the rule,
-:class:`Gate`, and the shard bounds it cuts the weights by).
+(:data:`CHECKER_TOOLS`: all ``parameter_server`` and ``ps_messages`` define but :class:`Gate`, and chunk_bounds).
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ from labkit.models import MLPConfig, TinyMLP
 from labkit.parallel import parameter_server, ps_messages
 from labkit.parallel.parameter_server import Decision, Gate, Stragglers, run_parameter_server
 
-# The first failing case is the one reported: 4 workers and s = 2 first, where the bound binds often and neither
-# synchronous training (s = 0) nor a rule off by one (s = 1 or 3) can pass for the rule.
+# The first failing case is reported: 4 workers, tau = 2 first, where neither sync nor off by one can pass for it.
 CASES = [(workers, bound) for workers in (4, 3, 2, 6, 5, 1) for bound in (2, 1, 0, 3, 4)]
 HUGE = 10**9  # a bound no run reaches: asynchronous training
 SEEDS = (0, 1, 2, 3)  # odd seeds: worker 0 is a straggler (arrives a fifth as often as the others)
@@ -50,18 +46,20 @@ CHECKER_TOOLS = tuple(f"{module.__name__}.{name}" for module in (parameter_serve
                       for name, value in vars(module).items()
                       if getattr(value, "__module__", None) == module.__name__ and value is not Gate) \
     + ("labkit.costmodel.collectives.chunk_bounds",)
-# The launched runs: (workers, s).  Worker 0 sleeps SLOW_S on every step, in which the fast workers (a step takes
-# about a millisecond) reach the bound, so an answer that lets a gradient be s + 1 stale shows it in every run.
+# The launched runs: (workers, tau).  Worker 0 sleeps SLOW_S on every step, in which the fast workers (a step takes
+# about a millisecond) reach the bound, so an answer that lets a gradient be tau + 1 stale shows it in every run.
 RUNS = ((3, 1), (2, 2))
 CONFIG = MLPConfig(in_features=8, hidden_sizes=(16,), num_classes=4)
 UPDATES, LR, SLOW_S = 12, 0.1, 0.05
-LAUNCH_TIMEOUT = 30.0  # seconds one launched run may take before its ranks count as hung
-SERVER_TIMEOUT_S = 10.0  # the server's own limit on silence from every worker
+# Seconds one launched run may take before its ranks count as hung; the server's own limit on silence from workers
+LAUNCH_TIMEOUT, SERVER_TIMEOUT_S = 30.0, 10.0
 _CHECK_FAILED = f"{CheckFailed.__module__}.{CheckFailed.__qualname__}: "  # how a rank's traceback names it
+_SSP = (" (yours applies each gradient on arrival and holds only its worker: that is Ho et al.'s SSP, which bounds "
+        "how far a worker's clock runs ahead, not staleness; here the gradient waits)")
 
 
 def _where(workers: int, bound: int) -> str:
-    return f"{workers} worker{'s' * (workers != 1)}, s={'10**9' if bound == HUGE else bound}"
+    return f"{workers} worker{'s' * (workers != 1)}, tau={'10**9' if bound == HUGE else bound}"
 
 
 def _next_arrival(rng: random.Random, computing: dict[int, int], slow: bool) -> int:
@@ -75,11 +73,11 @@ def _rng(workers: int, bound: int, seed: int) -> random.Random:
 
 def _rule(module, workers: int, bound: int):
     try:
-        return module.BoundedStaleness(workers, bound)
-    except (NotImplementedError, CheckFailed):
-        raise
+        return module.BoundedDelay(workers, bound)
     except Exception as error:
-        raise CheckFailed(f"BoundedStaleness({workers}, {bound}) raised {type(error).__name__}: {error}") from None
+        if isinstance(error, (NotImplementedError, CheckFailed)):
+            raise
+        raise CheckFailed(f"BoundedDelay({workers}, {bound}) raised {type(error).__name__}: {error}") from None
 
 
 def _decide(rule, worker: int, pulled: int, where: str) -> tuple[list[int], list[int]]:
@@ -100,25 +98,22 @@ def _decide(rule, worker: int, pulled: int, where: str) -> tuple[list[int], list
 
 
 # --------------------------------------------------------------------------------------------------------
-# The referee: what any bounded-staleness rule owes
+# The referee: what any bounded-delay rule owes
 
 
 class _Referee:
-    """Plays the server around the student's rule, keeping its own account, and raises :class:`CheckFailed` with a
-    hint at the first decision no bounded-staleness rule would make."""
+    """Plays the server around the student's rule; a :class:`CheckFailed` hint at its first wrong decision."""
 
     def __init__(self, module, workers: int, bound: int, where: str = ""):
-        self.rule, self.workers, self.bound = _rule(module, workers, bound), workers, bound
-        self.where = where + _where(workers, bound)
-        self.version, self.arrivals = 0, 0
+        self.module, self.rule, self.workers, self.bound = module, _rule(module, workers, bound), workers, bound
+        self.where, self.version, self.arrivals = where + _where(workers, bound), 0, 0
         self.computing = dict.fromkeys(range(workers), 0)  # worker -> the version it computes on
         self.held: dict[int, int] = {}  # worker -> the version its held gradient was computed on
         self.idle: set[int] = set()  # applied, not released yet
         self.applied_at: dict[int, int] = {}  # worker -> the version its last gradient was applied at
 
     def arrive(self, worker: int) -> tuple[list[int], list[int]]:
-        pulled = self.computing.pop(worker)
-        self.held[worker] = pulled
+        pulled = self.held[worker] = self.computing.pop(worker)
         self.arrivals += 1
         at = (f"{self.where}, arrival {self.arrivals} (worker {worker}'s gradient, computed on version {pulled}, "
               f"at version {self.version})")
@@ -183,14 +178,14 @@ class _Referee:
             if self.version - pulled > self.bound:
                 raise CheckFailed(f"{at}: worker {index}'s gradient, computed on version {pulled}, is still held at "
                                   f"version {self.version}, {self.version - pulled} updates stale already, more "
-                                  f"than s={self.bound}: it can never be applied within the bound. An update "
+                                  f"than tau={self.bound}: it can never be applied within the bound. An update "
                                   "applies everything held")
         for index, pulled in sorted(self.computing.items()):
             if self.version - pulled > self.bound:
                 raise CheckFailed(f"{at}: after this update worker {index}, still computing on version {pulled}, "
                                   f"is {self.version - pulled} updates behind, so its gradient will arrive more than "
-                                  f"s={self.bound} stale. Hold while version + 1 - (the oldest version a worker "
-                                  "computes on) > s")
+                                  f"tau={self.bound} stale{_habit(self.module, self.workers, self.bound)}. Hold while "
+                                  "version + 1 - (the oldest version a worker computes on) > tau")
 
 
 def _failing(failures: list[str], cases: int) -> None:
@@ -205,7 +200,7 @@ def _failing(failures: list[str], cases: int) -> None:
 
 @guard.no_shortcuts(allow=CHECKER_TOOLS)
 def check_bound_and_progress(module) -> None:
-    """every gradient is applied once, none staler than s, and some worker always computes (random orders)"""
+    """every gradient is applied once, none staler than tau, and some worker always computes (random orders)"""
     failures = []
     for workers, bound in CASES:
         for seed in SEEDS:
@@ -221,7 +216,7 @@ def check_bound_and_progress(module) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# 2. Ho et al.'s rule, decision by decision
+# 2. The bounded delay's rule, decision by decision
 
 
 @dataclass(frozen=True)
@@ -238,7 +233,7 @@ class _Turn:
 
 
 def _reference_play(workers: int, bound: int, seed: int) -> list[_Turn]:
-    gate, rng, turns = Gate("ssp", workers, staleness_bound=bound), _rng(workers, bound, seed), []
+    gate, rng, turns = Gate("bounded_delay", workers, max_delay=bound), _rng(workers, bound, seed), []
     for _ in range(ARRIVALS):
         worker = _next_arrival(rng, gate.computing, slow=seed % 2 == 1)
         pulled, version, held = gate.computing[worker], gate.version, tuple(w for w, _ in gate.held)
@@ -258,9 +253,9 @@ def _expected(turn: _Turn, bound: int) -> str:
     after = turn.version + 1
     if not turn.apply:
         worker, version = oldest
-        over = " (one update more than s allows)" if after - version == bound + 1 else ""
+        over = " (one update more than tau allows)" if after - version == bound + 1 else ""
         return (f"applying would make version {after}, and worker {worker}'s gradient, still being computed on "
-                f"version {version}, at least {after - version} stale, more than s={bound}{over}: hold (return [], "
+                f"version {version}, at least {after - version} stale, more than tau={bound}{over}: hold (return [], "
                 "[]) until it arrives")
     if oldest is None:
         why = "nobody computes any more, so no gradient can become too stale"
@@ -269,32 +264,36 @@ def _expected(turn: _Turn, bound: int) -> str:
     else:
         worker, version = oldest
         why = (f"applying makes version {after}, and the oldest gradient still being computed (worker {worker}'s, on "
-               f"version {version}) would be {after - version} stale, which s={bound} allows")
+               f"version {version}) would be {after - version} stale, which tau={bound} allows")
         if after - version == bound:
-            why += " (equal to s is allowed: hold only while version + 1 - oldest > s)"
+            why += " (equal to tau is allowed: hold only while version + 1 - oldest > tau)"
     return f"{why}: apply everything held, {sorted(turn.apply)}, as one update now, and release those workers"
 
 
 def _habit(module, workers: int, bound: int) -> str:
-    """What the student's rule, played on its own, turns out to be when it is not the rule: synchronous training
-    (it applies exactly when nobody else computes) or asynchronous (it applies each gradient on arrival)."""
-    computing, sync, asynchronous = dict.fromkeys(range(workers), 0), True, True
+    """What the student's rule, played on its own (worker 0 slow), turns out to be when it is not the rule:
+    synchronous training (it applies exactly when nobody else computes), asynchronous (it applies each gradient on
+    arrival and releases its worker), or Ho et al.'s SSP (it applies each on arrival, but holds some workers)."""
+    computing, sync, asynchronous, ssp = dict.fromkeys(range(workers), 0), True, True, True
     try:
         rule, rng = _rule(module, workers, bound), _rng(workers, bound, 0)
         for _ in range(ARRIVALS):
-            worker = _next_arrival(rng, computing, slow=False)
+            worker = _next_arrival(rng, computing, slow=True)
             pulled = computing.pop(worker)
             apply, release = _decide(rule, worker, pulled, "")
-            sync, asynchronous = sync and bool(apply) == (not computing), asynchronous and apply == [worker]
+            sync, ssp = sync and bool(apply) == (not computing), ssp and apply == [worker]
+            asynchronous = asynchronous and apply == [worker] and release == [worker]
             computing.update(dict.fromkeys(release, getattr(rule, "version", None)))
             if not computing:
                 break
     except Exception:  # it fails on its own: the referee's check says how
         return ""
     if sync:
-        return " (yours waits for every worker, as synchronous training does: that is s = 0)"
-    return " (yours applies every gradient on arrival, as asynchronous training does: that is a bound no run " \
-        "reaches)" if asynchronous else ""
+        return " (yours waits for every worker, as synchronous training does: that is tau = 0)"
+    if asynchronous:
+        return " (yours applies every gradient on arrival, as asynchronous training does: that is a bound no run " \
+            "reaches)"
+    return _SSP if ssp else ""
 
 
 def _disagreement(module, workers: int, bound: int, number: int, turn: _Turn, apply: list[int],
@@ -314,9 +313,17 @@ def _disagreement(module, workers: int, bound: int, number: int, turn: _Turn, ap
     return state + f"Then {what}; yours releases {sorted(release)}"
 
 
+def _books(rule, turn: _Turn, apply: list[int]) -> str:
+    """What a rule that holds where it should apply records as the versions being computed on, if not the referee's."""
+    mine = getattr(rule, "computing", None)
+    return "" if apply or not turn.apply or not isinstance(mine, dict) or mine == turn.computing else (
+        f". Your self.computing says {dict(sorted(mine.items()))}: a worker released by an update computes on the "
+        "version that update made")
+
+
 @guard.no_shortcuts(allow=CHECKER_TOOLS)
 def check_applies_as_soon_as_the_bound_allows(module) -> None:
-    """each decision is Ho et al.'s: apply everything held as soon as the bound allows (s = 0: sync; huge s: async)"""
+    """each decision is the bounded delay's: apply all held as soon as tau allows (tau = 0: sync; huge: async)"""
     failures = []
     for workers, bound, turns in REFERENCE:
         rule = _rule(module, workers, bound)
@@ -324,7 +331,8 @@ def check_applies_as_soon_as_the_bound_allows(module) -> None:
             apply, release = _decide(rule, turn.worker, turn.pulled, f"{_where(workers, bound)}, arrival {number}")
             version = getattr(rule, "version", None)
             if sorted(apply) != sorted(turn.apply) or sorted(release) != sorted(turn.release):
-                failures.append(_disagreement(module, workers, bound, number, turn, apply, release))
+                failures.append(_disagreement(module, workers, bound, number, turn, apply, release)
+                                + _books(rule, turn, apply))
                 break
             if version != turn.version + bool(turn.apply):
                 failures.append(f"{_where(workers, bound)}, arrival {number}: self.version is {version!r} after "
@@ -356,8 +364,7 @@ class _ServerGate:
 
 
 def _batches(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * worker + step)
-    x = torch.randn(8, CONFIG.in_features, generator=generator)
+    x = torch.randn(8, CONFIG.in_features, generator=torch.Generator().manual_seed(1000 * worker + step))
     return x, x[:, :CONFIG.num_classes].argmax(1)
 
 
@@ -366,12 +373,11 @@ def _train(module, workers: int, bound: int, where: str):
 
     torch.set_num_threads(1)
     gate = _ServerGate(_Referee(module, workers, bound, where), UPDATES) if dist.get_rank() == 0 else None
-    run = run_parameter_server(TinyMLP(CONFIG, seed=0), _batches, mode="ssp", staleness_bound=bound,
+    run = run_parameter_server(TinyMLP(CONFIG, seed=0), _batches, mode="bounded_delay", max_delay=bound,
                                updates=UPDATES, lr=LR, stragglers=Stragglers(slow={0: SLOW_S}), gate=gate,
                                timeout_s=SERVER_TIMEOUT_S)
-    if isinstance(run, int):
-        return run
-    return [(r.worker, r.step, r.pulled, r.applied) for r in run.received], len(run.update_times_s)
+    return run if isinstance(run, int) else ([(r.worker, r.step, r.pulled, r.applied) for r in run.received],
+                                             len(run.update_times_s))
 
 
 def _real_run(module, workers: int, bound: int) -> None:
@@ -399,12 +405,12 @@ def _real_run(module, workers: int, bound: int) -> None:
     stale = sorted({applied - pulled for _, _, pulled, applied in received
                     if applied is not None and applied - pulled > bound})
     if stale:
-        raise CheckFailed(f"{where}: gradients were applied {stale} updates stale, more than s={bound}")
+        raise CheckFailed(f"{where}: gradients were applied {stale} updates stale, more than tau={bound}")
 
 
 @guard.no_shortcuts(allow=CHECKER_TOOLS)
 def check_parameter_server_run(module) -> None:
-    """labkit's parameter server trains with your rule on launched ranks (one worker slow), none staler than s"""
+    """labkit's parameter server trains with your rule on launched ranks (one worker slow), none staler than tau"""
     for workers, bound in RUNS:
         _real_run(module, workers, bound)
 

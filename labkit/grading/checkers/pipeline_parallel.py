@@ -1,13 +1,17 @@
 """Checks for exercise 07 (``07_pipeline_parallel.py``): one_f_one_b_order, the 1F1B order of one rank.
 
-The student's function gives the order of every rank of ``p`` = 4, 2, 3, 8 and 1, for ``m`` of 1, 2, ``p - 1``,
-``p``, ``p + 1``, ``2p``, ``3p + 1`` and 16 micro-batches (fewer than the stages, as many, not a multiple of
-``p``, many more).  The orders become one :class:`~labkit.parallel.pipeline.schedule.Schedule` (stage = rank,
-no idle slots: the time slots come from running the orders), which three checks hold to 1F1B:
+The student's function gives the order of every rank of ``p`` = 4, 2, 3, 5, 6, 8, 12, 16 and 1, for ``m`` of 1,
+2, 6, 7, ``p - 1``, ``p``, ``p + 1`` and ``2p`` micro-batches, and up to ``p = 8`` ``3p + 1`` and 16 too (fewer
+than the stages, as many, not a multiple of ``p``, many more), and two ``(p, m)`` drawn at random each time
+(``p`` up to 24 and none of those, ``m`` up to ``2p``), so that no table of the fixed cases passes.  The orders
+become one :class:`~labkit.parallel.pipeline.schedule.Schedule` (stage = rank, no idle slots: the time slots come
+from running the orders), which three checks hold to 1F1B:
 
 1. it is a schedule at all: each entry a pair ``("F" | "B", micro-batch)``, each forward and backward once per
    rank, a backward after its own forward, and :func:`~labkit.parallel.pipeline.schedule.validate` finds no
-   deadlock between the ranks;
+   deadlock between the ranks; and each rank runs its forwards, and its backwards, in micro-batch order (a
+   runtime receives micro-batch k's activations and gradients before k + 1's: run out of order, a pass gets
+   another micro-batch's tensors);
 2. the step takes 1F1B's time: :func:`~labkit.parallel.pipeline.simulate.simulate` with a forward of 1 and a
    backward of 2 (exact integers) gives ``3 (m + p - 1)``, a bubble of exactly ``(p - 1) / (m + p - 1)``;
 3. it holds 1F1B's memory: rank ``r`` keeps at most ``min(p - r, m)`` micro-batches' activations at once, and
@@ -23,6 +27,7 @@ forbids ``labkit.parallel`` as for every exercise, less the checker's own tools 
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from fractions import Fraction
 
@@ -32,8 +37,16 @@ from labkit.parallel.pipeline.simulate import Timeline, simulate
 
 # The first failing case is the one reported: p = 4 first, its many micro-batches first, where the contrast with
 # GPipe (16 micro-batches held, against 1F1B's 4) and the cool-down (three backwards owed) show best.
-CASES = [(p, m) for p in (4, 2, 3, 8, 1)
-         for m in sorted({1, 2, p - 1, p, p + 1, 2 * p, 3 * p + 1, 16} - {0}, reverse=True)]
+CASES = [(p, m) for p in (4, 2, 3, 5, 6, 8, 12, 16, 1)  # 3p + 1 and 16 only up to p = 8: time in p * m
+         for m in sorted({1, 2, 6, 7, p - 1, p, p + 1, 2 * p} - {0} | ({3 * p + 1, 16} if p <= 8 else set()),
+                         reverse=True)]
+RANDOM = random.SystemRandom()  # not the random module's state, which the student's file could seed
+
+
+def _cases() -> list[tuple[int, int]]:
+    """:data:`CASES`, then two drawn at random: ``p`` up to 24 and none of theirs, ``m`` of 2 to ``2p``."""
+    drawn = RANDOM.sample(sorted(set(range(7, 25)) - {p for p, _ in CASES}), 2)
+    return CASES + [(p, RANDOM.randint(2, 2 * p)) for p in drawn]
 FORWARD_S, BACKWARD_S = 1, 2
 # What validate and simulate run on: the checker's tools, left working under the guard.  The generators
 # (gpipe, one_f_one_b, _one_f_one_b_order, _place, ...) are not named here, so they stay forbidden.
@@ -45,8 +58,10 @@ CHECKER_TOOLS = ("labkit.parallel.pipeline.simulate", f"{_SCHEDULE}.Action", f"{
 # get_schedule_ops("1F1B", p, m).  Named one by one: the whole module would also swap Enum.__new__ (its enum's).
 # (torch 2.14's Schedule1F1B table is off by one on the last stage, F1..Fm: the checks would catch it anyway.)
 _TORCH = "torch.distributed.pipelining"
-BUILT_INS = (f"{_TORCH}.schedules.Schedule1F1B", f"{_TORCH}.schedules.ScheduleInterleaved1F1B",
-             f"{_TORCH}.schedules._get_1f1b_rank_ops", f"{_TORCH}._schedule_visualizer.get_schedule_ops")
+BUILT_INS = tuple(f"{_TORCH}.schedules.{name}" for name in (
+    "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "_get_1f1b_rank_ops", "_get_warmup_ops")) + (
+    f"{_TORCH}._schedule_visualizer.get_schedule_ops",)
 NAME = "your 1F1B"
 NOTATION = "(in that notation 2B5 is rank 2's (\"B\", 5): stage 2's backward of micro-batch 5, one stage per rank)"
 
@@ -148,9 +163,20 @@ def _schedule(module, p: int, m: int) -> Schedule:
     return schedule
 
 
+def _in_order(order: list[Action], rank: int, p: int, m: int) -> None:
+    for kind, what in (("F", "forwards"), ("B", "backwards")):
+        run = [action.microbatch for action in order if action.kind == kind]
+        if run != sorted(run):
+            k = next(index for index, (got, want) in enumerate(zip(run, sorted(run), strict=True)) if got != want)
+            raise CheckFailed(f"one_f_one_b_order(rank={rank}, p={p}, m={m}) runs its {what} in the order {run}: "
+                              f"micro-batch {run[k]} before {sorted(run)[k]}. A runtime receives each micro-batch's "
+                              f"{'activations' if kind == 'F' else 'gradients'} in micro-batch order, so run out of "
+                              "order a pass gets another micro-batch's tensors: run them 0, 1, 2, ...")
+
+
 def _timelines(module) -> list[tuple[int, int, Schedule, Timeline]]:
     timelines = []
-    for p, m in CASES:
+    for p, m in _cases():
         schedule = _schedule(module, p, m)
         timelines.append((p, m, schedule, simulate(schedule, forward_s=FORWARD_S, backward_s=BACKWARD_S)))
     return timelines
@@ -158,7 +184,7 @@ def _timelines(module) -> list[tuple[int, int, Schedule, Timeline]]:
 
 def _failing(failures: list[str]) -> None:
     if failures:
-        others = f" (and {len(failures) - 1} more of the {len(CASES)} cases (p, m) checked)" if failures[1:] else ""
+        others = f" (and {len(failures) - 1} more of the {len(CASES) + 2} cases (p, m) checked)" if failures[1:] else ""
         raise CheckFailed(failures[0] + others)
 
 
@@ -168,9 +194,10 @@ def _failing(failures: list[str]) -> None:
 
 @guard.no_shortcuts(allow=CHECKER_TOOLS, built_ins=BUILT_INS)
 def check_orders_run(module) -> None:
-    """every rank runs each forward and backward once, in orders the ranks can run together (p = 1 to 8)"""
-    for p, m in CASES:
-        _schedule(module, p, m)
+    """every rank runs each forward and backward once, in micro-batch order, in orders the ranks can run together"""
+    for p, m in _cases():
+        for rank, order in enumerate(_schedule(module, p, m).orders()):
+            _in_order(order, rank, p, m)
 
 
 def _bubble_hint(schedule: Schedule) -> str:

@@ -1,14 +1,19 @@
 """Checks for exercise 11 (``11_planning.py``): step_time_by_hand, one 3D step's time by hand.
 
-The student's parts are held to :func:`labkit.costmodel.step.predict_step`'s terms on the 206 configurations of
-:data:`CASES`: six models (GPT-2, GPT-2 XL, Llama-2 7B and 70B with grouped-query attention and SwiGLU, GPT-3
-175B, and a 64-layer GPT), ``dp``, ``tp`` and ``pp`` each from 1 to 64 (one GPU to 6144), TP groups inside a node
-and across nodes (``t = 16`` and ``64`` on nodes of 8, ``t = 8`` on nodes of 4, and ``t`` = 3, 5, 6 and 12, which
-do not divide a node), DP groups inside and across nodes, micro-batches of 1 to 8 sequences and 1 to 16 of them,
-GPipe, 1F1B, interleaved 1F1B (``v`` = 2 to 5) and ZB-H1, with recomputation in 93 of them, on four machines
-(A100 and H100 nodes of 8, V100 nodes of 16, and PCIe nodes of 4 behind a slow network, where the DP reduction
+The student's parts are held to :func:`labkit.costmodel.step.predict_step`'s terms (the balanced pipeline,
+``head_on_last_stage=False``) on the 215 configurations of :data:`CASES`: six models (GPT-2, GPT-2 XL, Llama-2
+7B and 70B with grouped-query attention and SwiGLU, GPT-3 175B, and a 64-layer GPT), ``dp``, ``tp`` and ``pp``
+each from 1 to 64 (one GPU to 6144), TP groups inside a node and across nodes (``t = 16`` and ``64`` on nodes of
+8, ``t = 8`` on nodes of 4, and ``t`` = 3, 5, 6 and 12, which do not divide a node), DP groups inside and across
+nodes, micro-batches of 1 to 8 sequences and 1 to 16 of them, GPipe, 1F1B, interleaved 1F1B (``v`` = 2 to 5)
+and ZB-H1 (with recomputation too, where an input-gradient pass outlasts a forward), on five machines (A100 and
+H100 nodes of 8, V100 nodes of 16, and PCIe nodes of 4 and of 8 behind slow networks, where the DP reduction
 outlasts the last backward): hand-picked cases, the plain ones first (the first failing case is the one
 reported), then a sweep of every ``(dp, tp, pp)`` of 1, 2 and 4 with each schedule on GPT-2 and Llama-2 7B.
+Each plausible rule for a group's link has cases where it gives another answer with the reduction exposed: a
+group that spans a whole node (``t d = G``: inside), and groups whose span fits in a node without dividing it
+(``t`` or ``t d`` = 3, 5, 6 on nodes of 8: the block from rank 6 crosses), so "divides the node" is told apart
+from "fits in it", from "fewer than a node" and from ``d`` alone.
 Five checks, building up:
 
 1. one micro-batch's ``forward`` and ``backward`` on one stage, TP's all-reduces included (``forward_s``,
@@ -23,7 +28,7 @@ Each compares within a relative ``1e-9`` (and ``1e-12`` of the step, for a part 
 ``dp`` near 0).  Every case splits evenly (the ring's chunks are equal, its bytes whole: tested at import), so
 the closed forms are exact.  The references are computed when this module is imported, before any guard; while
 the checks run, :mod:`labkit.grading.guard` forbids labkit's step model, its event simulation and the planner
-(``labkit.costmodel.step``, ``.simulator``, ``.planner``: in every check's guard) and the ring costs of
+(``labkit.costmodel.step``, ``.stages``, ``.timeline``, ``.simulator``, ``.planner``: in every check's guard) and the ring costs of
 ``labkit.costmodel.collectives`` (:data:`BUILT_INS`).  A failure names the case and both values and, where the
 value is a known mistake (no bubble, ``(p - 1) / m``, two all-reduces a layer, NVLink for a group that spans
 nodes, ...), says which.
@@ -36,96 +41,19 @@ import math
 from dataclasses import dataclass
 
 from labkit.costmodel.collectives import LinkModel
-from labkit.costmodel.compute import GPUS, model_flops_per_step
+from labkit.costmodel.compute import model_flops_per_step
 from labkit.costmodel.memory import TransformerShape, num_parameters
 from labkit.costmodel.step import Hardware, Layout, predict_step
 from labkit.grading import CheckFailed, guard
+from labkit.grading.checkers.planning_cases import MACHINES, SHAPES, SPECS
 
-# The ring costs the exercise asks for by formula (labkit.costmodel.step, .simulator and .planner are in every
-# check's guard).
+# The ring costs the exercise asks for by formula (labkit.costmodel.step, .stages, .timeline, .simulator and
+# .planner are in every check's guard).
 BUILT_INS = tuple(f"labkit.costmodel.collectives.{name}"
                   for name in ("ring_all_reduce_cost", "ring_reduce_scatter_cost", "ring_all_gather_cost"))
 RELATIVE, ABSOLUTE = 1e-9, 1e-12  # the second is of the step
 VALUE_BYTES = 2
 PARTS = ("forward", "backward", "compute", "tp", "bubble", "dp", "step")
-
-SHAPES = {name: TransformerShape.preset(name) for name in ("gpt2", "gpt2-xl", "llama-2-7b", "llama-2-70b",
-                                                            "gpt3-175b")}
-SHAPES["gpt-64-layers"] = TransformerShape(64, 8192, 64, 2048, 50304)  # 52B parameters: 64 stages of one layer
-
-
-def _machine(gpu: str, efficiency: float, intra: float | None = None, network: float | None = None,
-             gpus_per_node: int | None = None) -> Hardware:
-    preset = GPUS[gpu]
-    return Hardware(efficiency * preset.peak_bf16_flops, LinkModel(5e-6, 1 / (intra or preset.nvlink_bandwidth)),
-                    LinkModel(1e-5, 1 / (network or preset.network_bandwidth)),
-                    gpus_per_node or preset.gpus_per_node)
-
-
-MACHINES = {
-    "A100 nodes of 8 (NVLink 300 GB/s, network 25 GB/s)": _machine("A100 80GB", 0.5),
-    "H100 nodes of 8 (NVLink 450 GB/s, network 50 GB/s)": _machine("H100 80GB", 0.45),
-    "V100 nodes of 16 (NVLink 150 GB/s, network 6.25 GB/s)": _machine("V100 32GB", 0.4),
-    "A100 PCIe nodes of 4 (32 GB/s, network 2 GB/s)": _machine("A100 80GB", 0.5, 32e9, 2e9, 4),
-}
-A100, H100, V100, SLOW = MACHINES
-
-# (model, machine, dp, tp, pp, micro-batch b, micro-batches m, schedule, virtual stages v, recompute)
-SPECS = [
-    # one dimension at a time
-    ("gpt2", A100, 1, 1, 1, 1, 1, "1f1b", 1, False),
-    ("gpt2", A100, 8, 1, 1, 4, 2, "1f1b", 1, False),
-    ("gpt2", SLOW, 16, 1, 1, 1, 4, "1f1b", 1, False),  # DP across nodes of 4, partly exposed
-    ("gpt2", A100, 1, 2, 1, 2, 4, "1f1b", 1, False),
-    ("gpt2", A100, 1, 1, 4, 1, 8, "1f1b", 1, False),
-    ("gpt2", A100, 1, 1, 4, 1, 8, "gpipe", 1, False),
-    ("gpt2", A100, 1, 1, 2, 2, 6, "interleaved", 3, False),
-    ("gpt2", H100, 1, 1, 4, 2, 8, "zb-h1", 1, False),
-    # two and three at a time
-    ("gpt2", A100, 2, 2, 2, 4, 8, "1f1b", 1, False),
-    ("gpt2", A100, 2, 3, 2, 2, 6, "1f1b", 1, False),  # t = 3: ranks 6, 7, 8 cross a node
-    ("gpt2", H100, 1, 4, 3, 1, 6, "gpipe", 1, False),
-    ("gpt2", H100, 2, 1, 4, 1, 8, "zb-h1", 1, False),
-    ("gpt2", A100, 4, 2, 1, 8, 2, "1f1b", 1, True),
-    ("gpt2", SLOW, 4, 2, 2, 1, 2, "1f1b", 1, False),
-    ("gpt2", SLOW, 2, 2, 3, 4, 3, "interleaved", 2, True),
-    ("gpt2-xl", H100, 2, 5, 2, 1, 4, "1f1b", 1, False),  # t = 5 does not divide 8
-    ("gpt2", SLOW, 2, 6, 1, 2, 4, "1f1b", 1, False),  # t = 6 on nodes of 4
-    ("gpt2", H100, 1, 12, 2, 1, 4, "gpipe", 1, True),  # t = 12 on nodes of 8
-    ("gpt2-xl", V100, 4, 1, 8, 1, 16, "1f1b", 1, False),
-    ("gpt2-xl", A100, 2, 1, 4, 2, 8, "interleaved", 3, False),
-    ("gpt2-xl", SLOW, 8, 2, 2, 1, 4, "gpipe", 1, True),
-    ("llama-2-7b", H100, 8, 8, 1, 1, 4, "1f1b", 1, False),
-    ("llama-2-7b", H100, 4, 4, 2, 2, 8, "interleaved", 4, False),  # DP spans t d = 16 ranks: two nodes
-    ("llama-2-7b", V100, 2, 16, 2, 1, 4, "1f1b", 1, False),  # t = 16 inside a node of 16
-    ("llama-2-7b", H100, 1, 16, 2, 1, 4, "1f1b", 1, False),  # t = 16 across two nodes of 8
-    ("llama-2-7b", A100, 2, 4, 4, 8, 4, "zb-h1", 1, True),
-    ("llama-2-7b", SLOW, 32, 1, 1, 1, 2, "1f1b", 1, False),
-    ("llama-2-7b", SLOW, 4, 8, 1, 1, 4, "1f1b", 1, True),  # t = 8 on nodes of 4
-    ("llama-2-70b", H100, 8, 8, 8, 1, 16, "1f1b", 1, True),
-    ("llama-2-70b", A100, 4, 8, 8, 1, 8, "interleaved", 5, False),
-    ("llama-2-70b", H100, 16, 8, 4, 1, 8, "gpipe", 1, False),
-    ("llama-2-70b", V100, 2, 16, 2, 2, 4, "zb-h1", 1, True),
-    ("gpt3-175b", A100, 8, 8, 16, 1, 8, "1f1b", 1, True),
-    ("gpt3-175b", H100, 64, 8, 12, 1, 12, "1f1b", 1, False),  # 6144 GPUs
-    ("gpt3-175b", H100, 16, 8, 8, 1, 8, "interleaved", 2, True),
-    ("gpt3-175b", V100, 4, 16, 4, 2, 8, "gpipe", 1, False),
-    ("gpt3-175b", H100, 4, 16, 4, 1, 8, "1f1b", 1, False),  # t = 16 across two nodes of 8
-    ("gpt-64-layers", H100, 1, 1, 64, 1, 4, "1f1b", 1, False),  # m < p: the bubble dominates
-    ("gpt-64-layers", A100, 2, 64, 1, 2, 2, "1f1b", 1, False),  # TP over eight nodes
-    ("gpt-64-layers", V100, 64, 1, 1, 1, 1, "1f1b", 1, False),  # DP over four nodes of 16
-    ("gpt-64-layers", H100, 2, 4, 8, 1, 8, "zb-h1", 1, False),
-    ("gpt-64-layers", SLOW, 4, 2, 2, 8, 2, "gpipe", 1, False),
-    ("gpt-64-layers", A100, 8, 8, 8, 1, 8, "interleaved", 4, True),
-    ("gpt-64-layers", H100, 2, 8, 32, 1, 2, "gpipe", 1, True),
-]
-# A sweep on GPT-2 and Llama-2 7B: every (dp, tp, pp) of 1, 2, 4 with each schedule, m = p (interleaved: the
-# fewest chunks, 2 or 3, that divide a stage's layers).
-SPECS += [(model, machine, d, t, p, b, p, schedule, next(v for v in (2, 3) if SHAPES[model].num_layers % (p * v)
-                                                            == 0) if schedule == "interleaved" else 1, recompute)
-          for model, machine, b, recompute in (("gpt2", SLOW, 2, False), ("llama-2-7b", H100, 1, True))
-          for d in (1, 2, 4) for t in (1, 2, 4) for p in (1, 2, 4)
-          for schedule in (("1f1b", "gpipe", "interleaved", "zb-h1") if p > 1 else ("1f1b",))]
 
 
 def _ring(nbytes: float, ranks: int, link: LinkModel, factor: bool = True) -> float:
@@ -164,7 +92,7 @@ def _case(model: str, machine: str, d: int, t: int, p: int, b: int, m: int, sche
     # even splits: whole 4-byte elements in equal ring chunks, so the closed forms are predict_step's exactly
     if shape.num_layers % (p * v) or psi % (2 * t * p * d) or bsh % (2 * t) or (schedule == "interleaved" and m % p):
         raise AssertionError(f"exercise 11's case {model} {layout.label()} m={m} does not split evenly")
-    step = predict_step(shape, layout, d * b * m, hardware)
+    step = predict_step(shape, layout, d * b * m, hardware, head_on_last_stage=False)  # the balanced pipeline
     want = {"forward": step.forward_s, "backward": step.backward_s, "compute": step.compute_s, "tp": step.tp_s,
             "bubble": step.bubble_s, "dp": step.dp_s, "step": step.step_s - step.pp_send_s}
     assert step.zero_s == 0 and step.microbatches == m and hardware.layer_overhead_s == 0 and hardware.cores is None
@@ -247,13 +175,18 @@ def _tp_mistakes(case: Case, count: int) -> list[tuple[float, str]]:
         found.append((count * layers * _ring(nbytes, t, hardware.intra_node), f"your all-reduces run on the "
                       f"intra-node link, but a TP group of t = {t} on nodes of {hardware.gpus_per_node} spans "
                       f"nodes (inside one only when t divides the GPUs a node)"))
+    elif t > 1:
+        found.append((count * layers * _ring(nbytes, t, hardware.inter_node), f"a TP group of t = {t}, which divides "
+                      f"a node of {hardware.gpus_per_node}, stays inside one: intra-node link"))
     return found
 
 
 def _bubble(case: Case, forward: float, backward: float) -> float:
     """The schedule's closed form (the hints apply it to other F and B than predict_step's)."""
     p = case.layout.pp
-    return (p - 1) * forward if case.layout.schedule == "zb-h1" else (p - 1) * (forward + backward) / case.v
+    if case.layout.schedule == "zb-h1":
+        return (p - 1) * max(forward, backward / 2)
+    return (p - 1) * (forward + backward) / case.v
 
 
 def _follows_from_yours(case: Case, parts: dict[str, float], name: str, own: float) -> list[tuple[float, str]]:
@@ -322,9 +255,9 @@ def check_compute_and_tp_over_the_step(module) -> None:
 
 @guard.no_shortcuts(built_ins=BUILT_INS)
 def check_the_bubble(module) -> None:
-    """the bubble: (p - 1)(F + B) for GPipe and 1F1B, divided by v interleaved, (p - 1) F for ZB-H1"""
+    """the bubble of each schedule: lesson 07's closed forms, with this stage's F and B"""
     formulas = {"gpipe": "(p - 1)(F + B)", "1f1b": "(p - 1)(F + B)", "interleaved": "(p - 1)(F + B) / v",
-                "zb-h1": "(p - 1) F"}
+                "zb-h1": "(p - 1) max(F, B / 2)"}
     for case in CASES:
         parts = _parts(module, case)
         p, m, v, schedule = case.layout.pp, case.m, case.v, case.layout.schedule
@@ -337,10 +270,13 @@ def check_the_bubble(module) -> None:
                          (full, f"not divided by v: interleaving v = {v} chunks per rank shrinks the bubble v-fold")]
         if schedule == "zb-h1":
             mistakes.append((full, "ZB-H1 fills the backward's share of the bubble with weight-gradient passes: "
-                                   "(p - 1) F"))
+                                   "(p - 1) max(F, B / 2)"))
+            mistakes.append(((p - 1) * case.want["forward"], "(p - 1) F holds only while a forward is at least as "
+                             "long as an input-gradient pass (B / 2); with recomputation I is longer: each stage "
+                             "downstream costs the longer of the two, (p - 1) max(F, B / 2)"))
         else:
-            mistakes.append(((p - 1) * case.want["forward"], f"(p - 1) F is ZB-H1's; {schedule} idles "
-                                                             f"{formulas[schedule]}"))
+            mistakes.append(((p - 1) * max(case.want["forward"], case.want["backward"] / 2),
+                             f"(p - 1) max(F, B / 2) is ZB-H1's; {schedule} idles {formulas[schedule]}"))
         mistakes += [(0.0, "no bubble; the first stage waits p - 1 forwards for the last one to start, and the last "
                            "stage p - 1 backwards for the first one to finish"),
                      (full / m, "(p - 1) / m is the bubble's fraction of the ideal time m (F + B): the bubble "
@@ -355,7 +291,7 @@ def check_the_bubble(module) -> None:
 
 @guard.no_shortcuts(built_ins=BUILT_INS)
 def check_the_data_parallel_reduction(module) -> None:
-    """the data-parallel reduction: the ring all-reduce of the stage's gradients, less the last backward"""
+    """the data-parallel reduction: the part of it that nothing hides"""
     for case in CASES:
         parts = _parts(module, case)
         d, t, p, hardware = case.layout.dp, case.layout.tp, case.layout.pp, case.hardware
@@ -372,10 +308,16 @@ def check_the_data_parallel_reduction(module) -> None:
                                                                     "2 (N - 1) / N * n * beta"),
                   (_ring(nbytes * t * p, d, link) - backward, "each rank reduces its own Psi / (t p) parameters' "
                                                               "gradients, not Psi")]
+        nodes = hardware.gpus_per_node
         if not case.dp_link_inside:
             others.append((_ring(nbytes, d, hardware.intra_node) - backward, f"a DP group's d = {d} ranks are t = "
-                           f"{t} apart: they span t d = {t * d} ranks, more than a node of {hardware.gpus_per_node} "
-                           "holds (inside one only when t d divides it)"))
+                           f"{t} apart: they span t d = {t * d} ranks, " + (
+                               f"more than a node of {nodes} holds" if t * d > nodes else
+                               f"and the blocks of {t * d} ranks that start at multiples of {t * d} do not all fit "
+                               f"in nodes of {nodes}") + " (inside one only when t d divides it)"))
+        elif d > 1:
+            others.append((_ring(nbytes, d, hardware.inter_node) - backward, f"a DP group spanning t d = {t * d} "
+                           f"ranks, which divides a node of {nodes}, stays inside one: intra-node link"))
         mistakes += [(value, text) for value, text in others if value > 0]  # 0 is "all of it hidden"
         mistakes = _follows_from_yours(case, parts, "dp", max(0.0, reduction - parts["backward"])) + mistakes
         _compare(case, parts, "dp", f"max(0, T(2 Psi / (t p), d) - B), with T = {_ms(reduction)} and B = "

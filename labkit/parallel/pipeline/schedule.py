@@ -272,11 +272,17 @@ def zb_h1(p: int, m: int) -> Schedule:
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's order): each rank holds ``v`` chunks (stages
     ``r, r+p, ...``) and runs micro-batches in groups of ``p`` through one chunk, then the next.  The bubble
-    shrinks ``v``-fold, for ``v`` times as many point-to-point sends; it needs ``m`` a multiple of ``p``."""
+    shrinks ``v``-fold, for ``v`` times as many point-to-point sends.
+
+    This is Megatron's original order, and like it (Narayanan et al. 2021, section 2.2.2) it needs ``m`` a
+    multiple of ``p``.  That is a property of the order, not of interleaving: Llama 3 (Dubey et al. 2024,
+    section 3.3.2) made the group size free, and ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` runs
+    groups of ``m // max(1, m // p)`` (any ``m`` that many groups divide, e.g. ``m = 6`` on ``p = 4``)."""
     _check_positive(p=p, m=m, v=v)
     if m % p:
-        raise ValueError(f"interleaved 1F1B runs micro-batches in groups of p, so m must be a multiple of p: "
-                         f"got m={m}, p={p}")
+        raise ValueError(f"labkit's interleaved 1F1B keeps Megatron's original order, micro-batches in groups of p, "
+                         f"so m must be a multiple of p: got m={m}, p={p} (Llama 3's schedule and torch's "
+                         f"ScheduleInterleaved1F1B relax this)")
     total = m * v
 
     def forward(rank: int, k: int) -> Action:  # the k-th forward a rank runs: chunk (k // p) % v, in groups of p

@@ -88,10 +88,34 @@ def simulate(schedule: Schedule, forward_s: Seconds = 1.0, backward_s: Seconds =
     if send_s < 0:
         raise ValueError(f"send_s must be >= 0, got {send_s}")
     durations = {"F": f, "B": b, "I": [bi - wi for bi, wi in zip(b, w, strict=True)], "W": w}
-    events = _execute(schedule, lambda action: durations[action.kind][action.stage], send_s)
+    return _timeline(schedule, _execute(schedule, lambda action: durations[action.kind][action.stage], send_s))
+
+
+def replay(timeline: Timeline, send_s: float = 0) -> Timeline:
+    """``timeline``'s actions placed again by the schedule's rules, each lasting what it lasted in ``timeline``:
+    what the schedule alone makes of those durations (a simulation fed every action's own duration, where
+    :func:`simulate` takes one per stage and kind).
+
+    For a measured timeline (``run_schedule``), every action started once its rank was free and its inputs had
+    been handed over, so the measured step exceeds its replay by the time the runtime spent between actions
+    (messages, Python, other programs), which the simulator does not model.  It can fall a little short: an
+    action's end is read after its output is sent, so a rank descheduled in between records an end later than
+    the moment its neighbour could start (lesson 07 measures by how much on its reference machine).
+    Raises ValueError if an action of the schedule is missing from ``timeline``."""
+    schedule = timeline.schedule
+    _validated(schedule)
+    own = {action: end - start for row in timeline.events for start, end, action in row}
+    missing = [action for order in schedule.orders() for action in order if action not in own]
+    if missing:
+        raise ValueError(f"{schedule.name}: the timeline has no duration for {missing[0]} "
+                         f"({len(missing)} of the schedule's actions missing)")
+    return _timeline(schedule, _execute(schedule, own.__getitem__, send_s))
+
+
+def _timeline(schedule: Schedule, events: list[list[tuple[float, float, Action]]]) -> Timeline:
     total = max((row[-1][1] for row in events if row), default=0.0)
-    peak = [0] * stages
-    held = [0] * stages
+    peak = [0] * schedule.stages
+    held = [0] * schedule.stages
     for order in schedule.orders():
         for action in order:  # a stage's actions all run on one rank, so that rank's order is their order
             held[action.stage] += {"F": 1, "B": -1, "I": -1}.get(action.kind, 0)

@@ -4,7 +4,9 @@
   the dropout generator of the split regions;
 - ``layers``: column- and row-parallel linear layers, the vocabulary-parallel embedding and cross-entropy;
 - ``transformer``: :func:`parallelize_tensor`, TinyGPT split over a mesh's ``tp`` ranks, keeping the wrapper
-  contract of ``labkit.parallel.base``.
+  contract of ``labkit.parallel.base``;
+- ``timing``: where a split step's time goes on CPU cores (the kernels the split divides, ranks sharing a
+  machine, a collective's cost between bursts of compute), the inputs of lesson 06's step-time model.
 """
 
 from labkit.parallel.tensor.layers import (

@@ -18,6 +18,10 @@ split by heads) needs no communication between them: one ``f`` in, one ``g`` out
 of the ``[vocab, hidden]`` table, which is also the LM head's weight, so a tied embedding and head stay one
 ``Parameter``.  A vocabulary that ``t`` does not divide is padded with rows of zeros to the next multiple;
 their logits are left out of the softmax, so the loss is exactly ``F.cross_entropy`` over the real vocabulary.
+labkit pads to a multiple of ``t`` by default, the least that splits evenly.  Megatron-LM pads to a multiple of
+``make_vocab_size_divisible_by * t`` (``--make-vocab-size-divisible-by``, default 128, "for computational
+efficiency": every rank's slice then a multiple of 128 rows; ``_vocab_size_with_padding`` in
+``megatron/training/tokenizer/tokenizer.py``): pass ``divisible_by=128`` for Megatron's sizes.
 """
 
 from __future__ import annotations
@@ -37,10 +41,17 @@ from labkit.parallel.tensor.ops import (
     reduce_scatter_to_sequence_parallel,
 )
 
+MEGATRON_VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
-def padded_size(size: int, tp_degree: int) -> int:
-    """``size`` rounded up to a multiple of ``tp_degree``."""
-    return -(-size // tp_degree) * tp_degree
+
+def padded_size(size: int, tp_degree: int, divisible_by: int = 1) -> int:
+    """``size`` rounded up to a multiple of ``divisible_by * tp_degree``: labkit's padding with the default
+    ``divisible_by=1``, Megatron-LM's with ``divisible_by=128`` (:data:`MEGATRON_VOCAB_DIVISIBLE_BY`)."""
+    for name, value in (("size", size), ("tp_degree", tp_degree), ("divisible_by", divisible_by)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    multiple = divisible_by * tp_degree
+    return -(-size // multiple) * multiple
 
 
 def enter_columns(x: torch.Tensor, layers: list[ColumnParallelLinear], tp: TensorParallelGroup,
@@ -147,20 +158,21 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup,
-                 sequence_parallel: bool = False, where: str = "embedding"):
+                 sequence_parallel: bool = False, where: str = "embedding", divisible_by: int = 1):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.tp = num_embeddings, embedding_dim, tp
         self.sequence_parallel, self.where = sequence_parallel, where
-        rows = padded_size(num_embeddings, tp.size) // tp.size
+        rows = padded_size(num_embeddings, tp.size, divisible_by) // tp.size
         self.vocab_start = tp.rank * rows
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim))
 
     @classmethod
     @torch.no_grad()
-    def from_dense(cls, dense: nn.Embedding, tp: TensorParallelGroup,
-                   sequence_parallel: bool = False) -> VocabParallelEmbedding:
-        """This rank's rows of ``dense``'s table (the padding rows are zeros)."""
-        layer = cls(dense.num_embeddings, dense.embedding_dim, tp, sequence_parallel)
+    def from_dense(cls, dense: nn.Embedding, tp: TensorParallelGroup, sequence_parallel: bool = False,
+                   divisible_by: int = 1) -> VocabParallelEmbedding:
+        """This rank's rows of ``dense``'s table (the padding rows are zeros; ``divisible_by``: see
+        :func:`padded_size`)."""
+        layer = cls(dense.num_embeddings, dense.embedding_dim, tp, sequence_parallel, divisible_by=divisible_by)
         layer.to(dense.weight.device, dense.weight.dtype)
         layer.weight.zero_()
         mine = dense.weight[layer.vocab_start:layer.vocab_start + layer.weight.shape[0]]

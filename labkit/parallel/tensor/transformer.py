@@ -37,7 +37,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.costmodel.tensor_parallel import Collective, tensor_parallel_collectives, total_bytes
+from labkit.costmodel.tensor_parallel import (
+    Collective,
+    tensor_parallel_collectives,
+    tensor_parallel_size_problem,
+    total_bytes,
+)
 from labkit.mesh import Mesh
 from labkit.models import TinyGPT
 from labkit.parallel.base import ParallelWrapper, Piece, queue_end_of_backward
@@ -95,11 +100,12 @@ class ParallelMLP(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
-def check_tensor_parallel_sizes(n_embd: int, n_head: int, tp_degree: int) -> None:
-    """``ValueError`` naming the numbers unless ``tp_degree`` divides the hidden size and the heads."""
-    if n_head % tp_degree or n_embd % tp_degree:
-        raise ValueError(f"tensor parallelism over {tp_degree} ranks splits the heads and the hidden size "
-                         f"evenly: n_head={n_head} and n_embd={n_embd} must both be divisible by {tp_degree}")
+def check_tensor_parallel_sizes(n_embd: int, n_head: int, tp_degree: int, n_kv_head: int | None = None) -> None:
+    """``ValueError`` naming the numbers unless ``tp_degree`` divides the hidden size and the heads (and, under
+    grouped-query attention, the ``n_kv_head`` key/value heads: ``tensor_parallel_size_problem``)."""
+    problem = tensor_parallel_size_problem(n_embd, n_head, tp_degree, n_kv_head)
+    if problem:
+        raise ValueError(problem)
 
 
 class TensorParallel(ParallelWrapper):
@@ -110,7 +116,8 @@ class TensorParallel(ParallelWrapper):
     stage without the head returns its hidden state (this rank's sequence shard with sequence parallelism).
     """
 
-    def __init__(self, module: TinyGPT, group: Any = None, sequence_parallel: bool = False, seed: int | None = None):
+    def __init__(self, module: TinyGPT, group: Any = None, sequence_parallel: bool = False, seed: int | None = None,
+                 vocab_divisible_by: int = 1):
         if not isinstance(module, TinyGPT):
             raise TypeError(f"parallelize_tensor splits a labkit.models.TinyGPT, got {type(module).__name__}")
         if not isinstance(sequence_parallel, bool):
@@ -119,6 +126,8 @@ class TensorParallel(ParallelWrapper):
         config = module.config
         check_tensor_parallel_sizes(config.n_embd, config.n_head, self.world_size)
         self.config, self.sequence_parallel = config, sequence_parallel
+        self.vocab_divisible_by = vocab_divisible_by
+        self.padded_vocab_size = padded_size(config.vocab_size, self.world_size, vocab_divisible_by)
         self.tp = TensorParallelGroup(self.group, on_collective=self._on_collective)
         self._log: list[Collective] = []
         self._forwards, self._shape = 0, (0, 0)
@@ -142,9 +151,10 @@ class TensorParallel(ParallelWrapper):
     @torch.no_grad()
     def _parallelize(self, model: TinyGPT) -> None:
         tp, sp, config = self.tp, self.sequence_parallel, self.config
-        vocab = padded_size(config.vocab_size, tp.size)
+        vocab = self.padded_vocab_size
         if model.token_embedding is not None:
-            model.token_embedding = VocabParallelEmbedding.from_dense(model.token_embedding, tp, sp)
+            model.token_embedding = VocabParallelEmbedding.from_dense(model.token_embedding, tp, sp,
+                                                                      divisible_by=self.vocab_divisible_by)
             model.dropout = RegionDropout(model.dropout.p, self.rng if sp else None)
             self._split["token_embedding.weight"] = (0, config.vocab_size)
         for index in model.block_indices:
@@ -342,10 +352,13 @@ def _check_same_random_state(group: Any, device: torch.device) -> None:
 
 
 def parallelize_tensor(model: TinyGPT, mesh: Mesh | Any = None, sequence_parallel: bool = False,
-                       seed: int | None = None) -> TensorParallel:
+                       seed: int | None = None, vocab_divisible_by: int = 1) -> TensorParallel:
     """Split ``model`` over the ``tp`` dimension of ``mesh`` (a :class:`labkit.mesh.Mesh`; or a process group,
     ``None`` for every rank); see the module docstring.  ``seed``: the split regions' dropout generator is
-    seeded ``seed + 2718 + tp rank`` (default: ``torch.initial_seed()``).  A collective."""
+    seeded ``seed + 2718 + tp rank`` (default: ``torch.initial_seed()``).  ``vocab_divisible_by``: the
+    vocabulary is padded to a multiple of ``vocab_divisible_by * t`` (1: labkit's least padding; 128:
+    Megatron-LM's ``--make-vocab-size-divisible-by`` default).  A collective."""
     group = mesh.group("tp") if isinstance(mesh, Mesh) else mesh
-    return TensorParallel(model, group, sequence_parallel=sequence_parallel, seed=seed)
+    return TensorParallel(model, group, sequence_parallel=sequence_parallel, seed=seed,
+                          vocab_divisible_by=vocab_divisible_by)
 

@@ -1,0 +1,230 @@
+"""What each pipeline stage of a 3D layout computes and holds: the inputs of lesson 11's step model.
+
+:func:`labkit.costmodel.step.predict_step` prices a step from these; :func:`labkit.costmodel.planner.layout_memory`
+counts memory from them.  A layout (:class:`Layout`) cuts a model of ``L`` layers into ``p v`` *chunks* (``v``
+per rank under the interleaved schedule, chunk ``c`` on rank ``c mod p``), ``L / (p v)`` layers each unless the
+caller gives each chunk's count (``stage_layers``, e.g. Llama 3's pipeline, which leaves its first and last
+stage a layer short to make room for the embedding and the loss: Dubey et al. 2024, section 3.3.2).
+
+**The stages are not equal.**  The token embedding is a lookup (no matrix FLOPs) on the first chunk, and the
+output layer (the logits, ``2 h V`` FLOPs a token forward, twice that backward) and the loss on the last
+(lesson 07's uneven-stage pitfall).  For GPT-3 175B the output layer costs a third of a layer; for a 1.7B GPT with a
+131k vocabulary, 4 layers.  :func:`chunk_costs` prices each chunk's forward and backward on one micro-batch
+(``head_on_last_stage=False`` spreads the whole model's FLOPs evenly instead, an idealised balanced pipeline:
+exercise 11 computes that one by hand), and :func:`rank_parameters` counts each rank's parameters: the
+embedding (and learned positions) on rank 0, the output layer and the final norm on rank ``p - 1`` (a tied
+output layer is a copy of the embedding there when ``p > 1``, as Megatron-LM keeps it).
+
+:func:`stage_times` is the uniform-stage summary the event simulator (:mod:`labkit.costmodel.simulator`) uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
+from labkit.costmodel.compute import head_flops, layer_flops, model_flops_per_step
+from labkit.costmodel.shapes import num_parameters
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A 3D configuration: ``dp x tp x pp`` ranks, ZeRO stage over dp, micro-batch size, recomputation and the
+    pipeline schedule (``virtual_stages``: the interleaved schedule's stages per rank)."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 0
+    micro_batch: int = 1
+    recompute: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def chunks(self) -> int:
+        """Pipeline chunks in all: ``p v`` under interleaving, else ``p``."""
+        return self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
+
+    def label(self) -> str:
+        extra = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} ZeRO-{self.zero} b={self.micro_batch}"
+                f"{' recompute' if self.recompute else ''} {self.schedule}{extra}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a step runs on: FLOP/s one GPU (or rank) achieves on the model's matrices, its links inside a node and
+    across nodes, and how many GPUs a node holds (ranks are numbered node by node, as ``torchrun`` does).
+    ``cores``: where ranks share a node's processor cores (gloo ranks on a CPU), how many — or, measured, a
+    curve: ``cores[n - 1]`` the cores' worth of compute that ``n`` busy ranks get together (8 ranks on 2 cores
+    may get less than 2, evicting each other's caches); ``None`` (GPUs): each rank computes on its own device.
+    Only :mod:`labkit.costmodel.simulator` models the sharing.
+    ``layer_overhead_s``: a fixed cost per layer and forward pass (twice that per backward) beside the FLOPs —
+    the framework's own time per operation, which dominates tiny models on a CPU and is ~0 for large ones on
+    GPUs (:class:`labkit.costmodel.calibration.Calibration` measures both on this machine);
+    ``pass_overhead_s`` the same per pass whatever its layers (embedding, loss, the autograd engine's start).
+    ``straggle``: where ranks share cores, ``straggle[g - 1]`` is how many times their mean the slowest of ``g``
+    ranks takes for the same work started together (only the simulator models it:
+    :func:`labkit.costmodel.simulator.straggle_factor`).  Empty: every rank keeps pace.
+
+    Three more say how collectives behave on a GPU cluster (:class:`labkit.costmodel.planner.Cluster` sets them
+    from :mod:`labkit.costmodel.hardware`; their defaults are an ideal machine, exercise 11's):
+    ``call_latency_s``, a fixed cost per collective call beside the ring's per-step ``alpha`` (NCCL's base
+    latency); ``overlap_slowdown``, the compute lost per second of communication hidden behind it; and
+    ``dp_bucket_elements``: ``None``, gradients leave for the data-parallel reduction as a continuous stream
+    while the last backward produces them, or the smallest bucket (in elements) they leave in, each bucket once
+    its share of that backward is done (lesson 02's buckets; Megatron-LM's ``max(40M, 1M x d)``).  ``rails``:
+    each GPU of a node has its own network adapter (``inter_node`` is one GPU's share), and a group that spans
+    nodes with ``k`` members in each drives ``k`` of them at once, as NCCL's rings over several channels do
+    on DGX nodes: ``k`` times one GPU's network bandwidth, at most the NVLink's (``False``: one GPU's, as if
+    the group had one member a node)."""
+
+    flops: float
+    intra_node: LinkModel
+    inter_node: LinkModel
+    gpus_per_node: int = 8
+    cores: float | tuple[float, ...] | None = None
+    layer_overhead_s: float = 0.0
+    straggle: tuple[float, ...] = ()
+    pass_overhead_s: float = 0.0
+    call_latency_s: float = 0.0
+    overlap_slowdown: float = 0.0
+    dp_bucket_elements: int | None = None
+    rails: bool = False
+
+
+def link_of(hardware: Hardware, stride: int, size: int) -> LinkModel:
+    """The link of a group of ``size`` ranks ``stride`` apart in the (pp, dp, tp) grid: its ranks span
+    ``stride * size`` consecutive ranks from a multiple of that, so it lies inside one node of ``G`` GPUs when
+    that span divides ``G``; else it crosses nodes, where with ``hardware.rails`` a group of ``G / stride``
+    members a node (whole nodes' worth, ``stride`` dividing ``G``) runs that many times faster, at most at the
+    NVLink's bandwidth."""
+    span, nodes = stride * size, hardware.gpus_per_node
+    if span <= nodes and nodes % span == 0:
+        return hardware.intra_node
+    members = nodes // stride if hardware.rails and stride < nodes and nodes % stride == 0 and span % nodes == 0 \
+        else 1
+    if members == 1:
+        return hardware.inter_node
+    return LinkModel(hardware.inter_node.alpha_s,
+                     max(hardware.inter_node.beta_s_per_byte / members, hardware.intra_node.beta_s_per_byte))
+
+
+def _check_divides(shape: Any, layout: Layout, global_batch: int, stage_layers: tuple[int, ...] | None) -> None:
+    d, b = layout.dp, layout.micro_batch
+    if global_batch % (d * b):
+        raise ValueError(f"the global batch {global_batch} must split into dp={d} replicas of micro-batches of "
+                         f"b={b} sequences (global_batch % (dp * b) == 0)")
+    if stage_layers is None:
+        if shape.num_layers % layout.chunks:
+            raise ValueError(f"{layout.chunks} pipeline stages do not divide the {shape.num_layers} layers")
+    elif len(stage_layers) != layout.chunks or sum(stage_layers) != shape.num_layers or min(stage_layers) < 0:
+        raise ValueError(f"stage_layers must give each of the {layout.chunks} chunks its layers (>= 0), "
+                         f"{shape.num_layers} in all; got {stage_layers}")
+
+
+def chunk_layers(shape: Any, layout: Layout, stage_layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Each chunk's layers (``stage_layers``, or ``L / (p v)`` each)."""
+    if stage_layers is not None:
+        return tuple(stage_layers)
+    return (shape.num_layers // layout.chunks,) * layout.chunks
+
+
+@dataclass(frozen=True)
+class ChunkCosts:
+    """One micro-batch on each chunk (index = chunk): compute and TP all-reduce seconds, forward and backward."""
+
+    compute_forward: tuple[float, ...]
+    compute_backward: tuple[float, ...]
+    tp_forward: tuple[float, ...]
+    tp_backward: tuple[float, ...]
+
+    def rank_totals(self, p: int) -> list[tuple[float, float, float, float]]:
+        """Per rank: ``(compute forward, compute backward, TP forward, TP backward)`` over its chunks."""
+        totals = [[0.0] * 4 for _ in range(p)]
+        for chunk, values in enumerate(zip(self.compute_forward, self.compute_backward, self.tp_forward,
+                                           self.tp_backward, strict=True)):
+            for k, value in enumerate(values):
+                totals[chunk % p][k] += value
+        return [tuple(row) for row in totals]  # type: ignore[misc]
+
+
+def tp_all_reduce_s(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int = 2) -> float:
+    """One TP all-reduce of a micro-batch's ``b s h`` values over the ``t`` ranks of a group (0 when ``t = 1``)."""
+    t = layout.tp
+    if t == 1:
+        return 0.0
+    nbytes = layout.micro_batch * shape.seq_len * shape.hidden_size * value_bytes
+    return ring_all_reduce_cost(nbytes, t, link_of(hardware, 1, t)).time_s + hardware.call_latency_s
+
+
+def chunk_costs(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int = 2,
+                stage_layers: tuple[int, ...] | None = None, head_on_last_stage: bool = True) -> ChunkCosts:
+    """Each chunk's seconds on one micro-batch (module docstring): its layers' FLOPs over the ``t`` ranks of
+    its TP group at ``hardware.flops`` (the backward twice the forward, three times with recomputation, the
+    forward rerun inside it), the output layer's on the last chunk (never recomputed), the per-layer and
+    per-pass overheads, and two TP all-reduces per layer each way (two more backward when recomputing)."""
+    b, t, chunks = layout.micro_batch, layout.tp, layout.chunks
+    layers = chunk_layers(shape, layout, stage_layers)
+    one = tp_all_reduce_s(shape, layout, hardware, value_bytes)
+    backward_passes = 3 if layout.recompute else 2
+    per_pass = hardware.pass_overhead_s * layout.pp / chunks  # a rank's per-pass cost, shared by its chunks
+    if head_on_last_stage:
+        layer, head = layer_flops(shape, b) / (t * hardware.flops), head_flops(shape, b) / (t * hardware.flops)
+        forward = [n * layer + (head if c == chunks - 1 else 0.0) for c, n in enumerate(layers)]
+        backward = [backward_passes * n * layer + (2 * head if c == chunks - 1 else 0.0)
+                    for c, n in enumerate(layers)]
+    else:  # the whole model's FLOPs spread evenly over the chunks: a balanced pipeline
+        flops = model_flops_per_step(shape, b, recompute=layout.recompute)
+        even = flops / (t * chunks) / (backward_passes + 1) / hardware.flops
+        forward, backward = [even] * chunks, [backward_passes * even] * chunks
+    overhead = [hardware.layer_overhead_s * n + per_pass for n in layers]
+    return ChunkCosts(tuple(f + o for f, o in zip(forward, overhead, strict=True)),
+                      tuple(bw + backward_passes * o for bw, o in zip(backward, overhead, strict=True)),
+                      tuple(2 * n * one for n in layers),
+                      tuple((2 + 2 * layout.recompute) * n * one for n in layers))
+
+
+def chunk_parameters(shape: Any, layout: Layout, stage_layers: tuple[int, ...] | None = None) -> list[float]:
+    """Each chunk's parameters before tensor parallelism splits them (module docstring): its layers', the
+    embedding (and learned positions) on the first, the output layer and the final norm on the last (a tied
+    output layer is a copy of the embedding there when the model has more than one chunk)."""
+    layers = chunk_layers(shape, layout, stage_layers)
+    one, two = (num_parameters(dataclasses.replace(shape, num_layers=n)) for n in (1, 2))
+    per_layer = two - one
+    outside = one - per_layer  # embeddings, the final norm, an untied output layer
+    h, vocab = shape.hidden_size, shape.vocab_size
+    embedding = vocab * h + (shape.seq_len * h if shape.learned_positions else 0)
+    untied = 0 if shape.tied_embeddings else vocab * h
+    head = untied if not shape.tied_embeddings else (vocab * h if len(layers) > 1 else 0)
+    counts = [float(n * per_layer) for n in layers]
+    counts[0] += embedding
+    counts[-1] += head + outside - embedding - untied  # and the final norm
+    return counts
+
+
+def rank_parameters(shape: Any, layout: Layout, stage_layers: tuple[int, ...] | None = None) -> list[float]:
+    """Each pipeline rank's parameters (its chunks', :func:`chunk_parameters`)."""
+    counts = [0.0] * layout.pp
+    for chunk, count in enumerate(chunk_parameters(shape, layout, stage_layers)):
+        counts[chunk % layout.pp] += count
+    return counts
+
+
+def stage_times(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2
+                ) -> tuple[int, int, float, float, float, float]:
+    """``(m, v, forward, backward, tp_forward, tp_backward)``: micro-batches per step, stages per rank, and one
+    micro-batch's compute and TP all-reduce seconds on one rank's stages, the model's FLOPs spread evenly over
+    the stages (the uniform stages the event simulator, :mod:`labkit.costmodel.simulator`, runs)."""
+    _check_divides(shape, layout, global_batch, None)
+    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    costs = chunk_costs(shape, layout, hardware, value_bytes, head_on_last_stage=False)
+    forward, backward, tp_forward, tp_backward = costs.rank_totals(layout.pp)[0]
+    return global_batch // (layout.dp * layout.micro_batch), v, forward, backward, tp_forward, tp_backward
