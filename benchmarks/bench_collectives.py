@@ -25,8 +25,8 @@ and a reduction reads two arrays and writes one, so the memcpy line printed firs
 alpha-beta model's figures for each; then the exchange and the one-way transfer at several sizes.  It is the
 measurement behind the explanation of why, at N = 2, the ring does not beat the parameter server here.
 
-The target (labkit's ring >= 0.8x gloo at 16 MiB and above) is reported as PASS/FAIL lines; the script always
-exits 0, because it reports and does not gate.
+The target (labkit's ring >= 0.8x gloo at 16 MiB and above) is reported as PASS/FAIL lines; the script exits 0
+and ``labkit bench`` gates on them (exit 1 on a FAIL line unless ``--report-only``).
 """
 
 from __future__ import annotations

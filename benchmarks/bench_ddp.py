@@ -45,7 +45,8 @@ ratio of the two medians.
 
 The target (labkit within 1.15x of torch at the same bucket size and gradient layout, 25 MiB, overlap on,
 ``grad = view``) is reported as a PASS/FAIL line, beside the ratio of the two libraries' defaults (labkit's
-views against torch's copies); the script always exits 0, because it reports and does not gate.
+views against torch's copies); the script exits 0 and
+``labkit bench`` gates on them (exit 1 on a FAIL line unless ``--report-only``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@
    (:class:`labkit.parallel.pipeline.TimedStage`: F = 30 ms, B = 60 ms, W = 30 ms of it, per chunk 1/v of
    that), where 2 cores cannot distort the durations: measured beside the closed form.
 
-The target is reported as a PASS/FAIL line; the script always exits 0, because it reports and does not gate.
+The target is reported as a PASS/FAIL line; the script exits 0 and
+``labkit bench`` gates on them (exit 1 on a FAIL line unless ``--report-only``).
 """
 
 from __future__ import annotations

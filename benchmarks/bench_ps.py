@@ -17,7 +17,7 @@ injected delays dominate and 5 ranks on 2 cores measure the schedule, not the co
    1; SSP with s = 1 (Ho et al.) never lets a worker pull more than 1 clock ahead of the slowest, while worker 0,
    the straggler, sets everyone's pace (gradients per worker equal within s + 1).
 
-It reports; it does not gate (exit 0).
+It reports figures and has no target (no PASS/FAIL line), so ``labkit bench`` never fails on it.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ of 128 tokens from the default ``MarkovChain``), every variant on the same batch
    knows nothing of cores: on a 2-core machine 4 ranks share 2 cores, so the TP = 4 compute cannot be ``1/4``.
 
 The target (labkit / torch step time <= 1.0, with and without sequence parallelism) is reported as PASS/FAIL
-lines; the script always exits 0, because it reports and does not gate.
+lines; the script exits 0 and ``labkit bench`` gates on them (exit 1 on a FAIL line unless ``--report-only``).
 """
 
 from __future__ import annotations

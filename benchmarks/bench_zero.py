@@ -45,7 +45,7 @@ forward / backward / optimizer phases of the slowest rank, the 10th-90th percent
 of the main thread and of the other threads (gloo's), larger rank.  The ZeRO-3 / fully_shard verdict also
 gives the median of the per-round ratios, each from two steps taken one right after the other.
 
-Targets, reported as PASS/FAIL lines (the script always exits 0: it reports, it does not gate): labkit
+Targets, reported as PASS/FAIL lines (the script exits 0; ``labkit bench`` gates on them): labkit
 ZeRO-3 step time <= 1.3x torch ``fully_shard``; each labkit variant's measured model-state bytes within 5%
 of the model, on every rank.
 """

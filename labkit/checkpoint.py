@@ -57,15 +57,18 @@ from labkit.checkpoint_files import (
     latest,
     read_file,
     read_manifest,
+    remove_stale_partial_files,
     rng_state,
     serialise,
     set_rng_state,
+    stale_partial_files,
     step_directory,
     write_atomically,
 )
 
-__all__ = ["FORMAT", "LAYOUTS", "MANIFEST", "STATE", "COMMON", "CheckpointError", "Resumed", "latest", "load",
-           "load_dcp_model", "read_file", "read_manifest", "rng_state", "save", "serialise", "set_rng_state", "shard_file",
+__all__ = ["FORMAT", "LAYOUTS", "MANIFEST", "STATE", "COMMON", "CheckpointError", "Resumed", "check_compatible",
+           "latest", "load", "load_dcp_model", "read_file", "read_manifest", "remove_stale_partial_files",
+           "rng_state", "save", "serialise", "set_rng_state", "shard_file", "stale_partial_files",
            "step_directory", "write_atomically"]
 
 STATE, COMMON = "state.pt", "common.pt"
@@ -177,16 +180,26 @@ def save(path: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, 
     return path
 
 
-def _check_model(path: Path, saved: Mapping[str, Any], model_state: Mapping[str, torch.Tensor]) -> None:
-    missing = sorted(set(model_state) - set(saved))
-    unexpected = sorted(set(saved) - set(model_state))
+def check_compatible(path: str | os.PathLike, shapes: Mapping[str, Any], world: int) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, if a model whose tensors have ``shapes`` (name -> shape) can resume
+    from it on ``world`` ranks; else :class:`CheckpointError` naming what differs.  :func:`load` checks this
+    first, and so does ``python -m labkit.train --resume``, before any process starts."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    saved = manifest["model"]
+    missing, unexpected = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
     if missing or unexpected:
         raise CheckpointError(f"{path / MANIFEST}: a different model: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}")
-    for name, tensor in model_state.items():
-        if list(tensor.shape) != saved[name]["shape"]:
+    for name, shape in shapes.items():
+        if list(shape) != saved[name]["shape"]:
             raise CheckpointError(f"{path / MANIFEST}: a different model shape: {name} is "
-                                  f"{tuple(saved[name]['shape'])} in the checkpoint, {tuple(tensor.shape)} here")
+                                  f"{tuple(saved[name]['shape'])} in the checkpoint, {tuple(shape)} here")
+    if manifest["layout"] == "full" and manifest["world_size"] != world:
+        raise CheckpointError(f"{path / MANIFEST}: saved on {manifest['world_size']} rank(s), loading on {world}: "
+                              "each rank's RNG and sampler states have no owner (the full layout resumes exactly on "
+                              "the same number of ranks; the sharded layout reshards)")
+    return manifest
 
 
 def _assemble(path: Path, manifest: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -213,15 +226,10 @@ def load(path: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, 
     """Restore what :func:`save` wrote (either layout) into the given objects, on every rank of ``group``, and
     this rank's RNG and sampler states; return the step and ``extra``.  Checks the files and shapes first."""
     path = Path(path)
-    manifest = read_manifest(path)
     rank, world = _world(group)
-    _check_model(path, manifest["model"], model.full_state_dict())
+    manifest = check_compatible(path, {name: t.shape for name, t in model.full_state_dict().items()}, world)
     saved_world = manifest["world_size"]
     if manifest["layout"] == "full":
-        if saved_world != world:
-            raise CheckpointError(f"{path / MANIFEST}: saved on {saved_world} rank(s), loading on {world}: each "
-                                  "rank's RNG and sampler states have no owner (the full layout resumes exactly on "
-                                  "the same number of ranks; the sharded layout reshards)")
         state = read_file(path, STATE, manifest)
         model_state, optimizer_state, mine = state["model"], state["optimizer"], state["ranks"][rank]
     else:

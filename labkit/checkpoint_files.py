@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ import torch
 FORMAT = "labkit-checkpoint/1"
 MANIFEST = "manifest.json"
 STEP_DIRECTORY = re.compile(r"^step-(\d+)$")
+# A file being written: ".NAME.pidPID@HOST.partial" (the writer's process and machine: a shared file system sees
+# several), or labkit 0.x's ".NAME.PID.partial" (this machine's).
+PARTIAL = re.compile(r"^\..+?\.(?:pid(?P<pid>\d+)@(?P<host>.+)|(?P<old_pid>\d+))\.partial$")
 
 
 class CheckpointError(ValueError):
@@ -69,7 +73,7 @@ def _fsync_directory(directory: Path) -> None:
 def write_atomically(path: Path, data: bytes) -> dict[str, Any]:
     """Write ``data`` to ``path`` so that ``path`` is either absent, or old, or complete: a temporary file in
     the same directory, flushed and fsynced, renamed over ``path``.  Returns its size and SHA-256."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    temporary = path.with_name(f".{path.name}.pid{os.getpid()}@{socket.gethostname()}.partial")
     with open(temporary, "wb") as handle:
         handle.write(data)
         handle.flush()
@@ -77,6 +81,48 @@ def write_atomically(path: Path, data: bytes) -> dict[str, Any]:
     os.replace(temporary, path)
     _fsync_directory(path.parent)
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def stale_partial_files(root: str | os.PathLike) -> list[Path]:
+    """The temporary files under ``root`` (itself and its ``step-NNNNNNNN`` directories) whose writer is gone: a
+    process of this machine that no longer exists, killed while it wrote (``SIGKILL``, a lost node: no
+    ``finally`` ran).  A writer on another machine, or a live one, is left alone."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    folders = [root] + [child for child in root.iterdir() if STEP_DIRECTORY.match(child.name) and child.is_dir()]
+    here, stale = socket.gethostname(), []
+    for folder in folders:
+        for file in folder.iterdir():
+            match = PARTIAL.match(file.name)
+            if match is None or (match["host"] is not None and match["host"] != here):
+                continue
+            if not _process_exists(int(match["pid"] or match["old_pid"])):
+                stale.append(file)
+    return sorted(stale)
+
+
+def remove_stale_partial_files(root: str | os.PathLike) -> list[tuple[Path, int]]:
+    """Delete :func:`stale_partial_files` under ``root``; return each one removed with its size in bytes."""
+    removed = []
+    for file in stale_partial_files(root):
+        try:
+            size = file.stat().st_size
+            file.unlink()
+        except FileNotFoundError:  # another process cleaned it first
+            continue
+        removed.append((file, size))
+    return removed
 
 
 def serialise(value: Any) -> bytes:

@@ -49,6 +49,13 @@ needs::
     torchrun --nproc_per_node=2 --max-restarts=2 -m labkit.train --strategy ddp --steps 1000 \
         --checkpoint-dir runs/a --save-every 100 --resume latest
 
+**When something goes wrong** (:mod:`labkit.train_report`): a bad flag, a layout that cannot work, a checkpoint
+directory that cannot be written or has no room for a checkpoint, a ``--resume`` of another model or number of
+ranks: one line and exit status 2, before any process starts (:mod:`labkit.train_config`).  A rank that fails:
+one line naming it and its error, the traceback kept in a file (``--traceback`` prints it), exit status 1.
+``SIGTERM`` or Ctrl-C: every rank stopped, the last checkpoint named, exit status 128 + the signal.  What a save
+killed mid-write left (a temporary file of a dead process) is removed by the next run, which says so.
+
 ``LABKIT_TRAIN_KILL=RANK:STEP`` kills that rank (``SIGKILL``) when it reaches that step, in the first attempt only
 (``TORCHELASTIC_RESTART_COUNT`` unset or 0): the fault injection of the elastic test and of lesson 09.
 """
@@ -72,16 +79,24 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from labkit import checkpoint, data, dist, launch, precision, trace
+from labkit import train_report as report
 from labkit.mesh import Mesh
-from labkit.models import MLPConfig, TinyGPT, TinyMLP
+from labkit.models import TinyGPT, TinyMLP
 from labkit.parallel.base import ParallelWrapper, SingleProcess
 from labkit.parallel.ddp import DistributedDataParallel
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.parallelize import DP_WRAPPERS, parallelize
 from labkit.parallel.zero import ZeroDataParallel
-from labkit.train_config import MODELS, PRECISIONS, STRATEGY_NAMES, TrainConfig, parse_arguments
+from labkit.train_config import (
+    MLP_CONFIG,
+    MODELS,
+    PRECISIONS,
+    STRATEGY_NAMES,
+    MiB,
+    TrainConfig,
+    parse_arguments,
+)
 
-MiB = 1024 * 1024
 __all__ = ["MODELS", "PRECISIONS", "STRATEGIES", "TrainConfig", "build", "main", "parse_arguments", "train"]
 
 # The one place that knows the wrappers: a strategy's name -> how to wrap a plain model over the mesh.
@@ -114,9 +129,8 @@ def build(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1
             return data.batches(tokens, config.batch_size, model_config.block_size, generator)
 
         return model, batch, chain.entropy_rate(), generator
-    classes = 4
-    samples = data.make_classification(4096, 16, classes, seed=config.seed)
-    model = TinyMLP(MLPConfig(in_features=16, hidden_sizes=(64, 64), num_classes=classes), seed=config.seed)
+    samples = data.make_classification(4096, MLP_CONFIG.in_features, MLP_CONFIG.num_classes, seed=config.seed)
+    model = TinyMLP(MLP_CONFIG, seed=config.seed)
 
     def batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.randint(len(samples), (config.batch_size,), generator=generator)
@@ -149,6 +163,7 @@ def train(config: TrainConfig) -> dict:
         mesh = Mesh(dp=world) if dist.is_initialized() else None
     plain, batch, floor, generator = build(config, *((mesh.rank("dp"), mesh.size("dp")) if mesh else (0, 1)))
     torch.manual_seed(config.seed)  # the same default generator on every rank (tensor parallelism checks it)
+    size = sum(p.numel() for p in plain.parameters())  # before wrapping: FSDP, TP and PP keep a part of each
     model = _wrap(plain.to(device), mesh, config)
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=config.lr)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
@@ -157,7 +172,6 @@ def train(config: TrainConfig) -> dict:
     replicas = mesh.size("dp") if mesh else 1
     log = _rank_log(config, mesh)
     if dist.is_main():
-        size = sum(p.numel() for p in plain.parameters())
         layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}, {DP_WRAPPERS[config.zero]} over dp, "
                   f"{config.schedule} with {config.microbatches} micro-batch{'es' if config.microbatches > 1 else ''}"
                   if config.three_d
@@ -193,7 +207,8 @@ def train(config: TrainConfig) -> dict:
                       "ms/step\n")
             log.flush()
         if step % config.log_every == 0 or step == config.steps:
-            _log(step, config, loss.detach(), floor, time.perf_counter() - began, model.communication_per_step())
+            _log(step, start, config, loss.detach(), floor, time.perf_counter() - began,
+                 model.communication_per_step())
         if config.checkpoint_dir and (step == config.steps or (config.save_every and step % config.save_every == 0)):
             saved = checkpoint.save(checkpoint.step_directory(config.checkpoint_dir, step), model, optimizer, step,
                                     generators={"data": generator}, extra={"config": asdict(config)},
@@ -240,27 +255,40 @@ def _write_trace(path: str) -> list[trace.Span] | None:
     return spans
 
 
-def _log(step: int, config: TrainConfig, loss: torch.Tensor, floor: float | None, elapsed: float,
+def _log(step: int, start: int, config: TrainConfig, loss: torch.Tensor, floor: float | None, elapsed: float,
          communication: dict[str, int]) -> None:
-    """Gather every rank's loss to rank 0 and print one progress line there."""
+    """Gather every rank's loss to rank 0 and print one progress line there (``elapsed``: seconds since the
+    run, or its resume at step ``start``, began)."""
     if dist.is_initialized():
         losses = [torch.zeros_like(loss) for _ in range(dist.world_size())]
         torch_dist.all_gather(losses, loss)
     else:
         losses = [loss]
-    if not dist.is_main():
-        return
-    values = [value.item() for value in losses]
-    done = step / config.steps
+    if dist.is_main():
+        print(progress_line(step, start, config.steps, [value.item() for value in losses], floor, elapsed,
+                            communication), flush=True)
+
+
+def progress_line(step: int, start: int, steps: int, losses: list[float], floor: float | None, elapsed: float,
+                  communication: dict[str, int]) -> str:
+    """The progress line of ``step`` (of ``steps``; this run began, or resumed, at ``start``): the mean of the
+    ranks' ``losses`` and its distance to the loss ``floor``, each rank's loss, the bytes sent per step, and the
+    time per step since the start (``elapsed`` seconds over ``step - start`` steps)."""
+    done = step / steps
     bar = "#" * round(20 * done) + "." * (20 - round(20 * done))
-    mean = sum(values) / len(values)
-    per_rank = " ".join(f"{value:.3f}" for value in values) if len(values) > 1 else ""
-    gap = f", {mean - floor:+.3f} above the floor" if floor is not None else ""
+    mean = sum(losses) / len(losses)
+    gap = ""
+    if floor is not None:
+        # The floor is the loss's expectation under the best model; one batch's loss scatters around its own
+        # expectation, so a batch can land below it: noise, not a model better than the best.
+        gap = (f", {mean - floor:+.3f} above the floor" if mean >= floor
+               else f", {floor - mean:.3f} below the floor (one batch's noise)")
+    per_rank = " ".join(f"{value:.3f}" for value in losses) if len(losses) > 1 else ""
     sent = ", ".join(f"{kind} {nbytes / MiB:.2f}" for kind, nbytes in sorted(communication.items()))
-    print(f"[{bar}] step {step:>5}/{config.steps} loss {mean:.4f}{gap}"
-          + (f" | per rank: {per_rank}" if per_rank else "")
-          + (f" | MiB/step: {sent}" if sent else "")
-          + f" | {1e3 * elapsed / step:.1f} ms/step", flush=True)
+    return (f"[{bar}] step {step:>5}/{steps} loss {mean:.4f}{gap}"
+            + (f" | per rank: {per_rank}" if per_rank else "")
+            + (f" | MiB/step: {sent}" if sent else "")
+            + f" | {1e3 * elapsed / max(1, step - start):.1f} ms/step")
 
 
 def _resume(config: TrainConfig, model: ParallelWrapper, optimizer: torch.optim.Optimizer,
@@ -281,7 +309,14 @@ def _resume(config: TrainConfig, model: ParallelWrapper, optimizer: torch.optim.
 
 
 def _maybe_killed(step: int) -> None:
-    """The fault injection of ``LABKIT_TRAIN_KILL=RANK:STEP`` (first attempt only; see the module docstring)."""
+    """The fault injection of **When something goes wrong** (:mod:`labkit.train_report`): a bad flag, a layout that cannot work, a checkpoint
+directory that cannot be written or has no room for a checkpoint, a ``--resume`` of another model or number of
+ranks: one line and exit status 2, before any process starts (:mod:`labkit.train_config`).  A rank that fails:
+one line naming it and its error, the traceback kept in a file (``--traceback`` prints it), exit status 1.
+``SIGTERM`` or Ctrl-C: every rank stopped, the last checkpoint named, exit status 128 + the signal.  What a save
+killed mid-write left (a temporary file of a dead process) is removed by the next run, which says so.
+
+``LABKIT_TRAIN_KILL=RANK:STEP`` (first attempt only; see the module docstring)."""
     target = os.environ.get("LABKIT_TRAIN_KILL")
     if target and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         rank, _, at = target.partition(":")
@@ -290,16 +325,33 @@ def _maybe_killed(step: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit.train``: exit status 0 (trained), 1 (a rank failed, or the loss is NaN), 2 (bad flags:
+    nothing started), 128 + the signal's number (stopped by ``SIGTERM``, or ``SIGINT``: Ctrl-C)."""
     try:
         config, nprocs = parse_arguments(argv)
     except ValueError as error:
         print(f"labkit.train: {error}", file=sys.stderr)
         return 2
-    under_torchrun = dist.in_torchrun()
-    if config.strategy == "single" and not config.three_d and not under_torchrun and nprocs == 1:  # no group
-        results = [train(config)]
-    else:
-        results = launch.launch(train, config, nprocs=nprocs, timeout=None)
+    if config.checkpoint_dir is not None and dist.local_rank() == 0:  # one process per machine
+        report.remove_stale_partial_files(config.checkpoint_dir)
+    previous = signal.signal(signal.SIGTERM, report.stop)
+    try:
+        if config.strategy == "single" and not config.three_d and not dist.in_torchrun() and nprocs == 1:
+            results = [train(config)]  # no process group
+        else:
+            results = launch.launch(train, config, nprocs=nprocs, timeout=None)
+    except (report.Stopped, KeyboardInterrupt) as stop:
+        signum = stop.signum if isinstance(stop, report.Stopped) else signal.SIGINT
+        if dist.is_main():
+            print(f"labkit.train: stopped by {signal.Signals(signum).name}"
+                  f"{'' if dist.in_torchrun() else '; every rank was stopped'}{report.last_checkpoint(config)}",
+                  file=sys.stderr, flush=True)
+        return 128 + signum
+    except Exception as error:  # noqa: BLE001 (every failure becomes one line, its traceback kept)
+        print(report.failure(config, error), file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if not results[0]["losses"]:  # resumed at the last step: nothing left to train
         if dist.is_main():
             print(f"done: the checkpoint had reached step {config.steps} already; nothing to train")

@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from labkit import checkpoint, dist
-from labkit.models import GPTConfig
+from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
 from labkit.parallel.parallelize import SCHEDULES, check_3d
 
 STRATEGY_NAMES = ("single", "ddp", "zero1", "zero2", "fsdp")  # labkit.train.STRATEGIES' keys
 MODELS = ("tiny-gpt", "tiny-mlp")
 PRECISIONS = ("fp32", "bf16", "fp16")
+ZERO_STAGES = (0, 1, 2, 3)
+MLP_CONFIG = MLPConfig(in_features=16, hidden_sizes=(64, 64), num_classes=4)  # --model tiny-mlp
+# A checkpoint's bytes per parameter: the fp32 weights and AdamW's two fp32 moments (labkit.checkpoint).
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+MiB = 1024 * 1024
 
 
 @dataclass
@@ -48,6 +56,7 @@ class TrainConfig:
     precision: str = "fp32"
     trace: str | None = None  # write a Chrome trace of the last step here
     log_dir: str | None = None  # each rank's progress in DIR/rank-R.log
+    traceback: bool = False  # a failure prints its full traceback, not one line and a file
 
     @property
     def three_d(self) -> bool:
@@ -56,6 +65,36 @@ class TrainConfig:
     def gpt_config(self) -> GPTConfig:
         """The model's config; a pipeline of several stages cannot tie the embedding to the head."""
         return GPTConfig.preset(self.preset, **({"tie_weights": False} if (self.pp or 1) > 1 else {}))
+
+    def meta_model(self) -> torch.nn.Module:
+        """The model, built on the ``meta`` device: its shapes, without memory or initialisation."""
+        with torch.device("meta"):
+            return TinyGPT(self.gpt_config()) if self.model == "tiny-gpt" else TinyMLP(MLP_CONFIG)
+
+    def check_files(self, world_size: int) -> None:
+        """Everything about the files a run reads and writes that can be known before it starts (``ValueError``
+        naming the flag): ``--checkpoint-dir``, ``--log-dir`` and ``--trace``'s folder are directories or can be
+        made, and writable; the checkpoint directory's disk holds a checkpoint; ``--resume`` is a finished
+        checkpoint of this model that ``world_size`` ranks can load (:func:`labkit.checkpoint.check_compatible`)."""
+        if self.checkpoint_dir is None and self.resume is None and self.log_dir is None and self.trace is None:
+            return
+        model = self.meta_model()
+        shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+        if self.checkpoint_dir is not None:
+            size = CHECKPOINT_BYTES_PER_PARAMETER * sum(parameter.numel() for parameter in model.parameters())
+            _check_output_directory("--checkpoint-dir", self.checkpoint_dir, size)
+        if self.log_dir is not None:
+            _check_output_directory("--log-dir", self.log_dir)
+        if self.trace is not None:
+            if Path(self.trace).is_dir():
+                raise ValueError(f"--trace {self.trace}: a directory; give the trace's file name")
+            _check_output_directory("--trace's folder", str(Path(self.trace).parent))
+        path = checkpoint.latest(self.checkpoint_dir) if self.resume == "latest" else self.resume
+        if path is not None:
+            try:
+                checkpoint.check_compatible(path, shapes, world_size)
+            except checkpoint.CheckpointError as error:
+                raise ValueError(f"--resume {self.resume}: {error}") from None
 
     def default_microbatches(self) -> int:
         """``--microbatches``, or by default two per pipeline stage (1 without a pipeline)."""
@@ -94,6 +133,11 @@ class TrainConfig:
         for name in ("steps", "batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"--zero must be one of {ZERO_STAGES} (0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP), got "
+                             f"{self.zero!r}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.bucket_cap_mb < 0:
@@ -158,6 +202,8 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
     parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the last step to this file")
     parser.add_argument("--log-dir", default=None, help="each rank appends its progress to DIR/rank-R.log")
+    parser.add_argument("--traceback", action="store_true",
+                        help="when a rank fails, print its full traceback (default: one line, the traceback in a file)")
     parser.add_argument("--nprocs", type=int, default=None,
                         help="ranks to fork on this machine (default: 2 for ddp, 1 for single, dp x tp x pp for 3D; "
                              "ignored under torchrun)")
@@ -176,4 +222,24 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
         raise ValueError(f"--nprocs must be >= 1, got {nprocs}")
     world = int(os.environ["WORLD_SIZE"]) if dist.in_torchrun() and "WORLD_SIZE" in os.environ else nprocs
     config.resolve(world)  # every check of the layout, before any process starts
+    config.check_files(world)
     return config, nprocs
+
+
+def _check_output_directory(flag: str, value: str, needed_bytes: int = 0) -> None:
+    """``ValueError`` unless directory ``value`` exists or can be made, is writable, and its disk has
+    ``needed_bytes`` free."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {value}: a file, not a directory")
+    existing = path.absolute()
+    while not existing.exists():  # the nearest folder that exists: where the directory would be made
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {value}: cannot be made, {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {value}: {existing} is not writable")
+    free = shutil.disk_usage(existing).free
+    if free < needed_bytes:
+        raise ValueError(f"{flag} {value}: its disk has {free / MiB:,.1f} MiB free, and one checkpoint of this model "
+                         f"takes about {needed_bytes / MiB:,.1f} MiB")

@@ -41,6 +41,7 @@ class RankConfig:
 
 def rank_main(config: RankConfig, fn, args, kwargs, connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C / kernel interrupts and stops us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # how the parent stops us, whatever handler it had when it forked
     _die_with_parent(config.parent_pid)
     if config.quiet:
         silent = os.open(os.devnull, os.O_WRONLY)

@@ -125,4 +125,6 @@ def test_the_sanitizer_masks_values_marked_measured_and_never_a_models_output():
     # labkit.train's own progress line: every field is measured, in its own format
     line = "[##] step    20/40 loss 2.1149, +0.866 above the floor | per rank: 2.088 2.142 | MiB/step: all_reduce 0.45 | 43.0 ms/step"
     assert sanitized(line) == "[##] step    20/40 loss <LOSS> | per rank: <LOSSES> | MiB/step: all_reduce 0.45 | <TIME> ms/step"
+    below = line.replace("+0.866 above the floor", "0.004 below the floor (one batch's noise)")
+    assert sanitized(below) == sanitized(line)
     assert sanitized("final loss 1.438 of the model") == "final loss 1.438 of the model"  # not the trainer's line

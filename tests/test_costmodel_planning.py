@@ -217,7 +217,7 @@ def test_labkit_plan_prints_the_ranked_table_or_why_nothing_fits(capsys):
     assert main(["plan", "--model", "gpt3-175b", "--gpu", "V100 32GB", "--gpus", "8", "--global-batch", "64"]) == 1
     assert "nothing fits: the least memory" in capsys.readouterr().out
     assert main(["plan", "--gpu", "TPU"]) == 2
-    assert "unknown GPU 'TPU'" in capsys.readouterr().err
+    assert "--gpu 'TPU' is unknown" in capsys.readouterr().err
 
 
 def test_under_accumulation_zero_2_prices_and_holds_what_zero_1_does():

@@ -348,6 +348,8 @@ def test_labkit_doctor_under_torchrun_checks_the_whole_job():
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert completed.stdout.count("smoke test") == 1  # only rank 0 prints
     assert "torchrun job" in completed.stdout and "ok ([6.0, 6.0, 6.0]" in completed.stdout
+    # torchrun started the processes: the time printed is the group's set-up, not a process start
+    assert "joining the process group included" in completed.stdout and "starting the processes" not in completed.stdout
 
 
 def test_labkit_bench_rejects_an_unknown_benchmark():

@@ -1,0 +1,87 @@
+"""How ``python -m labkit.train`` reports what went wrong: a failure as one line naming the rank and the error (its
+traceback kept in a file, or printed with ``--traceback``) and the checkpoint to resume from; a stop by a signal;
+what a save killed mid-write left behind, removed.  The trainer is :mod:`labkit.train`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+from labkit import checkpoint, dist, launch
+from labkit.train_config import MiB, TrainConfig
+
+
+class Stopped(Exception):
+    """A signal asked the trainer to stop (``SIGTERM``: a scheduler's, ``kill``'s, torchrun's)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop(signum: int, _frame: Any) -> None:
+    raise Stopped(signum)
+
+
+def remove_stale_partial_files(directory: str) -> None:
+    """Delete what saves killed mid-write left in ``directory`` (a temporary file whose writer is gone), and say so."""
+    for path, size in checkpoint.remove_stale_partial_files(directory):
+        print(f"labkit.train: removed {path} ({size / MiB:.1f} MiB), left by a save whose process was killed "
+              "while it wrote", flush=True)
+
+
+def last_checkpoint(config: TrainConfig) -> str:
+    """Where a stopped or failed run can continue from, as the end of its message."""
+    if config.checkpoint_dir is None:
+        return " (no --checkpoint-dir: nothing was saved)"
+    newest = checkpoint.latest(config.checkpoint_dir)
+    if newest is None:
+        return f"; no checkpoint finished in {config.checkpoint_dir} yet"
+    return f"; the last checkpoint is {newest} (--resume latest continues from it)"
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*(?P<name>[A-Za-z_]\w*(?:Error|Exception|Failed|Timeout|Exit))"
+                             r"(?::\s*(?P<message>.*))?$")
+
+
+def headline(text: str) -> str:
+    """A traceback's exception as one line (``CheckpointError: ...``, the module path left out), or the text's last
+    line where it is not a traceback (``the process was killed by SIGKILL ...``)."""
+    lines = [line.rstrip() for line in text.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        match = _EXCEPTION_LINE.match(line)
+        if match:
+            return match["name"] + (f": {match['message']}" if match["message"] else "")
+    return lines[-1].strip() if lines else "no message"
+
+
+def failure(config: TrainConfig, error: Exception) -> str:
+    """One line naming the rank and the problem; the full traceback printed (``--traceback``) or kept in a file."""
+    others = ""
+    if isinstance(error, launch.RankFailed):
+        rank, text = error.rank, error.remote_traceback
+        others = f"rank(s) {', '.join(map(str, error.also_failed))} failed too; " if error.also_failed else ""
+        who = f"rank {rank}"
+    else:
+        rank, text = dist.rank(), "".join(traceback.format_exception(error))
+        who = f"rank {rank}" if dist.is_initialized() or dist.in_torchrun() else "the run"
+    problem = headline(text)
+    line = f"labkit.train: {who} failed: {problem}"
+    resume = "" if problem.startswith("CheckpointError") else last_checkpoint(config)  # not that checkpoint
+    if config.traceback or len(text.strip().splitlines()) == 1:  # nothing more to keep (a killed rank)
+        shown = f"{text.rstrip()}\n" if config.traceback else ""
+        return f"{shown}{line}" + (f" ({others.removesuffix('; ')})" if others else "") + resume
+    folder = Path(config.log_dir) if config.log_dir is not None else Path(tempfile.gettempdir())
+    kept = folder / f"labkit-train-{os.getpid()}-rank-{rank}.traceback"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        kept.write_text(text)
+        where = f"its traceback: {kept}"
+    except OSError:
+        where = "--traceback prints its traceback"
+    return f"{line} ({others}{where}){resume}"

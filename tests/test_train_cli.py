@@ -1,0 +1,295 @@
+"""The trainer and the ``labkit`` command as a new user meets them (issue 26): every figure they print is right, every
+bad input is one line and an exit status before anything starts, a failure inside a rank is one line naming the
+rank, a stop says where the last checkpoint is, and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from labkit import checkpoint, checkpoint_files, cli, train
+from tests.conftest import REPO
+
+TRAIN = [sys.executable, "-m", "labkit.train"]
+
+
+def _run(*flags: str, timeout: float = 240, **environment: str) -> subprocess.CompletedProcess:
+    """``python -m labkit.train FLAGS`` as a user runs it: what it prints, and its exit status."""
+    return subprocess.run([*TRAIN, *flags], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **environment})
+
+
+def _ms_per_step(text: str) -> list[float]:
+    return [float(value) for value in re.findall(r"\| ([\d.]+) ms/step", text)]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Figures
+
+
+def test_progress_after_a_resume_times_only_the_steps_it_ran(tmp_path, capsys):
+    """Resumed at step 30 of 33, the progress line divided the 3 steps' time by 33: 11 times too fast."""
+    flags = ["--model", "tiny-mlp", "--log-every", "100", "--checkpoint-dir", str(tmp_path)]
+    assert train.main([*flags, "--steps", "30"]) == 0
+    capsys.readouterr()
+    assert train.main([*flags, "--steps", "33", "--resume", "latest"]) == 0
+    out = capsys.readouterr().out
+    progress = _ms_per_step(out)[-1]
+    final = float(re.search(r"; ([\d.]+) ms/step; replicas", out).group(1))
+    assert 0.5 < progress / final < 2, out
+    line = train.progress_line(220, 200, 400, [2.0], None, 1.0, {})
+    assert "step   220/400" in line and line.endswith("| 50.0 ms/step")  # 1 s over 20 steps
+
+
+def test_a_loss_below_the_floor_is_called_noise_not_a_negative_distance_above_it():
+    below = train.progress_line(10, 0, 20, [1.245, 1.245], 1.249, 1.0, {})
+    assert "0.004 below the floor (one batch's noise)" in below and "-0.004" not in below
+    assert "+0.051 above the floor" in train.progress_line(10, 0, 20, [1.3], 1.249, 1.0, {})
+
+
+@pytest.mark.parametrize("flags", [["--strategy", "fsdp"], ["--strategy", "zero2"], ["--tp", "2"]])
+def test_every_strategy_reports_the_whole_models_parameters(flags, capsys):
+    """FSDP (and tensor parallelism) counted the parameters after sharding: half the model on 2 ranks."""
+    assert train.main(["--steps", "1", *flags, "--nprocs", "2"]) == 0
+    assert "tiny-gpt 117,792 parameters" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Bad input: one line, exit status 2, nothing started
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--checkpoint-dir", "{file}", "--resume", "latest"], "--checkpoint-dir {file}: a file, not a directory"),
+        (["--checkpoint-dir", "{file}/run"], "--checkpoint-dir {file}/run: cannot be made, {file} is a file"),
+        (["--log-dir", "{file}"], "--log-dir {file}: a file, not a directory"),
+        (["--trace", "{dir}"], "--trace {dir}: a directory; give the trace's file name"),
+        (["--strategy", "ddp", "--schedule", "nonsense"], "--schedule must be one of gpipe, 1f1b, interleaved, zb-h1, "
+                                                         "got 'nonsense'"),
+        (["--tp", "1", "--zero", "7"], "--zero must be one of (0, 1, 2, 3)"),
+        (["--resume", "{dir}"], "--resume {dir}: {dir}/manifest.json: missing"),
+    ],
+)
+def test_bad_files_and_values_are_one_line_before_anything_starts(flags, message, tmp_path, capsys):
+    (tmp_path / "afile").write_text("not a directory")
+    names = {"file": str(tmp_path / "afile"), "dir": str(tmp_path)}
+    assert train.main([flag.format(**names) for flag in flags] + ["--steps", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("labkit.train: ")
+    assert message.format(**names) in err
+
+
+@pytest.mark.skipif(os.access("/proc/sys", os.W_OK), reason="needs a folder this user cannot write")
+def test_a_checkpoint_directory_that_cannot_be_written_is_refused_before_training(capsys):
+    assert train.main(["--checkpoint-dir", "/proc/sys/labkit-run", "--steps", "2"]) == 2
+    assert "--checkpoint-dir /proc/sys/labkit-run: /proc/sys is not writable" in capsys.readouterr().err
+
+
+def test_a_disk_too_full_for_one_checkpoint_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1_000_000))
+    assert train.main(["--checkpoint-dir", str(tmp_path / "run"), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    # 117,792 parameters x 12 bytes (fp32 weights and AdamW's two moments) = 1.3 MiB
+    assert "its disk has 1.0 MiB free, and one checkpoint of this model takes about 1.3 MiB" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_of_another_model_or_world_size_is_refused_before_training(tmp_path, capsys):
+    """These used to fail inside every rank, as a 30-line double traceback."""
+    assert train.main(["--strategy", "ddp", "--nprocs", "2", "--steps", "2", "--checkpoint-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    saved = checkpoint.step_directory(tmp_path, 2)
+    for flags, message in [(["--nprocs", "2", "--preset", "1m"], "a different model shape: token_embedding.weight "
+                                                                 "is (32, 48) in the checkpoint, (32, 144) here"),
+                           (["--nprocs", "3"], "saved on 2 rank(s), loading on 3")]:
+        assert train.main(["--strategy", "ddp", "--steps", "4", "--resume", str(saved), *flags]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and f"--resume {saved}: " in err and message in err
+
+
+# --------------------------------------------------------------------------------------------------------
+# plan, bench, doctor
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpus", "0"], "--gpus must be an integer >= 1, got 0"),
+        (["--global-batch", "0"], "--global-batch must be an integer >= 1, got 0"),
+        (["--top", "0"], "--top must be an integer >= 1, got 0"),  # was an IndexError
+        (["--efficiency", "1.5"], "--efficiency must be a fraction of the peak in (0, 1], got 1.5"),
+        (["--gpu", "TPU"], "--gpu 'TPU' is unknown; choose one of A100 80GB"),
+        (["--model", "gpt5"], "--model 'gpt5' is unknown; choose one of gpt2"),
+    ],
+)
+def test_labkit_plan_names_the_flag_a_bad_value_came_from(flags, message, capsys):
+    assert cli.main(["plan", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("labkit plan: ") and message in err
+
+
+def test_labkit_plan_explains_its_columns_and_keeps_a_memory_margin_with_one_row_per_layout(capsys):
+    assert cli.main(["plan", "--model", "gpt2", "--gpus", "3", "--global-batch", "7", "--top", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "plans fill at most 72 of 80 GB a GPU, keeping 10% for what the memory model does not count" in out
+    rows = [line for line in out.splitlines() if line.startswith("dp=")]
+    assert rows and all(row.startswith("dp=1 ") for row in rows)  # 3 GPUs, 7 sequences: no data parallelism
+    layouts = [row.split("  ")[0].strip() for row in rows]
+    assert len(set(layouts)) == len(layouts)  # at dp = 1 the ZeRO stages are one layout, listed once
+    assert all(" ZeRO-0 " in layout for layout in layouts)
+    for column, _meaning in cli.PLAN_COLUMNS:
+        assert re.search(rf"^ *{re.escape(column)}  ", out, re.MULTILINE), column
+    assert "b: the micro-batch, in sequences" in out and "in seconds" in out and "in GB" in out
+
+
+def _benchmarks(folder: Path, **scripts: str) -> Path:
+    folder.mkdir()
+    for name, body in scripts.items():
+        (folder / f"bench_{name}.py").write_text(body)
+    return folder
+
+
+def test_labkit_bench_exits_non_zero_when_a_target_is_missed_unless_told_to_report_only(tmp_path, monkeypatch,
+                                                                                           capsys):
+    folder = _benchmarks(tmp_path / "benchmarks", met="print('PASS: ratio 0.9x (target <= 1.0)')",
+                         missed="print('table')\nprint('   FAIL: labkit / torch = 1.4x (target <= 1.0)')",
+                         crashed="raise SystemExit(3)")
+    monkeypatch.setattr(cli, "_benchmarks_folder", lambda: folder)
+    assert cli.main(["bench", "met"]) == 0
+    assert "every target met (1 benchmark(s))" in capsys.readouterr().out
+    assert cli.main(["bench", "met", "missed"]) == 1
+    out = capsys.readouterr().out
+    assert "1 target(s) missed:\n  missed: FAIL: labkit / torch = 1.4x (target <= 1.0)" in out
+    assert cli.main(["bench", "--report-only", "met", "missed"]) == 0
+    assert "(--report-only: not an error)" in capsys.readouterr().out
+    assert cli.main(["bench", "--report-only", "crashed"]) == 1  # a benchmark that fails is never a report
+    assert "crashed: exited with code 3" in capsys.readouterr().err
+
+
+def test_every_benchmark_states_its_targets_as_the_pass_fail_lines_labkit_bench_reads():
+    for script in sorted((REPO / "benchmarks").glob("bench_*.py")):
+        text = script.read_text()
+        if "TARGET" in text:
+            assert re.search(r"['\"]PASS['\"] if", text) and re.search(r"['\"]FAIL['\"]", text), script.name
+
+
+# --------------------------------------------------------------------------------------------------------
+# Failures inside ranks, stops, leftovers
+
+
+def test_an_error_inside_a_rank_reaches_the_user_as_one_line_naming_the_rank(tmp_path):
+    run = str(tmp_path / "run")
+    assert _run("--strategy", "ddp", "--nprocs", "2", "--model", "tiny-mlp", "--steps", "2",
+                "--checkpoint-dir", run).returncode == 0
+    state = checkpoint.step_directory(run, 2) / checkpoint.STATE
+    corrupted = bytearray(state.read_bytes())
+    corrupted[-100] ^= 1
+    state.write_bytes(bytes(corrupted))
+    flags = ("--strategy", "ddp", "--nprocs", "2", "--model", "tiny-mlp", "--steps", "4", "--checkpoint-dir", run,
+             "--resume", "latest", "--log-dir", str(tmp_path / "logs"))
+    failed = _run(*flags)
+    assert failed.returncode == 1
+    assert "Traceback" not in failed.stdout + failed.stderr
+    lines = failed.stderr.splitlines()
+    assert len(lines) == 1, failed.stderr
+    assert re.match(r"labkit\.train: rank [01] failed: CheckpointError: .*state\.pt: corrupted: its SHA-256 differs",
+                    lines[0])
+    kept = Path(re.search(r"its traceback: (\S+)\)", lines[0]).group(1))
+    assert kept.parent == tmp_path / "logs" and "Traceback (most recent call last)" in kept.read_text()
+    shown = _run(*flags, "--traceback")  # the whole traceback on request, the one line last
+    assert shown.returncode == 1 and "Traceback (most recent call last)" in shown.stderr
+    assert shown.stderr.splitlines()[-1].startswith("labkit.train: rank ")
+
+
+def test_a_killed_rank_is_one_line_and_names_the_checkpoint_to_resume_from(tmp_path):
+    failed = _run("--strategy", "ddp", "--nprocs", "2", "--model", "tiny-mlp", "--steps", "12", "--checkpoint-dir",
+                  str(tmp_path), "--save-every", "4", LABKIT_TRAIN_KILL="1:6")
+    assert failed.returncode == 1
+    assert failed.stderr.splitlines() == [
+        f"labkit.train: rank 1 failed: the process was killed by SIGKILL before it could report (exit code -9) "
+        f"(rank(s) 0 failed too); the last checkpoint is {checkpoint.step_directory(tmp_path, 4)} (--resume latest "
+        "continues from it)"]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the ranks through /proc")
+def test_sigterm_says_what_happened_and_where_the_last_checkpoint_is(tmp_path):
+    run = str(tmp_path / "run")
+    process = subprocess.Popen([*TRAIN, "--strategy", "ddp", "--nprocs", "2", "--model", "tiny-mlp", "--steps",
+                                "1000000", "--log-every", "1000000", "--checkpoint-dir", run, "--save-every", "5"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while checkpoint.latest(run) is None and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.2)
+        assert checkpoint.latest(run) is not None
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM
+    line = err.splitlines()[-1]
+    assert line.startswith(f"labkit.train: stopped by SIGTERM; every rank was stopped; the last checkpoint is {run}/"
+                           "step-"), err
+    newest = Path(line.split("the last checkpoint is ")[1].split(" ")[0])
+    assert (newest / checkpoint.MANIFEST).is_file()
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(run) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_mentioning(run) == []
+
+
+def test_the_next_run_removes_what_a_killed_save_left_and_says_so(tmp_path, capsys):
+    unfinished = tmp_path / "step-00000004"  # a save killed mid-write: a temporary file, no manifest
+    unfinished.mkdir()
+    here, dead = socket.gethostname(), _dead_pid()
+    stale = [unfinished / f".state.pt.pid{dead}@{here}.partial", tmp_path / f".state.pt.{dead}.partial"]
+    kept = [unfinished / f".state.pt.pid{os.getpid()}@{here}.partial",  # a writer still alive
+            unfinished / f".state.pt.pid{dead}@another-host.partial"]  # on a machine whose processes we cannot see
+    for file in stale + kept:
+        file.write_bytes(b"x" * 2048)
+    assert checkpoint.stale_partial_files(tmp_path) == sorted(stale)
+    assert train.main(["--model", "tiny-mlp", "--steps", "2", "--checkpoint-dir", str(tmp_path), "--resume",
+                       "latest"]) == 0
+    out = capsys.readouterr().out
+    for file in stale:
+        assert not file.exists() and f"removed {file} (0.0 MiB), left by a save whose process was killed" in out
+    assert all(file.exists() for file in kept)
+
+
+def test_checkpoint_writes_name_their_writer_so_a_later_run_can_tell_a_dead_one(tmp_path, monkeypatch):
+    seen = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda source, target: (seen.append(Path(source).name),
+                                                               real_replace(source, target)))
+    checkpoint.write_atomically(tmp_path / "state.pt", b"data")
+    assert seen == [f".state.pt.pid{os.getpid()}@{socket.gethostname()}.partial"]
+    assert checkpoint_files.PARTIAL.match(seen[0])
