@@ -41,7 +41,7 @@ test: $(STAMP)  ## the whole suite but nbval (see README: Developing)
 nbval: $(STAMP)  ## every notebook under nbval (solutions mode, this CPU's kernels), one at a time
 	$(PYTEST) notebooks $(NBVAL) -p no:xdist $(PYTEST_ARGS)
 
-bench: $(STAMP)  ## benchmarks against PyTorch's built-ins, ratios printed
+bench: $(STAMP)  ## every benchmark against PyTorch's built-ins (long; labkit bench --quick is shorter); fails on a missed target
 	$(BIN)/labkit bench
 
 lint: $(STAMP)

@@ -68,6 +68,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -334,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if config.checkpoint_dir is not None and dist.local_rank() == 0:  # one process per machine
         report.remove_stale_partial_files(config.checkpoint_dir)
-    previous = signal.signal(signal.SIGTERM, report.stop)
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set a signal handler
+    previous = signal.signal(signal.SIGTERM, report.stop) if main_thread else None
     try:
         if config.strategy == "single" and not config.three_d and not dist.in_torchrun() and nprocs == 1:
             results = [train(config)]  # no process group
@@ -351,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         print(report.failure(config, error), file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     if not results[0]["losses"]:  # resumed at the last step: nothing left to train
         if dist.is_main():
             print(f"done: the checkpoint had reached step {config.steps} already; nothing to train")
