@@ -124,6 +124,18 @@ def test_a_checkpoint_of_another_model_or_world_size_is_refused_before_training(
         assert out == "" and err.count("\n") == 1 and f"--resume {saved}: " in err and message in err
 
 
+@pytest.mark.parametrize(("saved", "resumed"), [
+    (["--strategy", "fsdp", "--checkpoint-layout", "sharded", "--nprocs", "2"],
+     ["--strategy", "fsdp", "--checkpoint-layout", "sharded", "--nprocs", "3"]),  # resharded: allowed
+    (["--pp", "2", "--zero", "3", "--nprocs", "2"], ["--pp", "2", "--zero", "3", "--nprocs", "2"]),  # untied head
+])
+def test_the_checks_before_a_resume_let_every_resumable_checkpoint_through(saved, resumed, tmp_path, capsys):
+    """The shapes come from a model built on the meta device: they must match what every wrapper saves."""
+    assert train.main([*saved, "--steps", "2", "--checkpoint-dir", str(tmp_path)]) == 0
+    assert train.main([*resumed, "--steps", "3", "--checkpoint-dir", str(tmp_path), "--resume", "latest"]) == 0
+    assert "at step 2" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------------------------------------
 # plan, bench, doctor
 
