@@ -7,13 +7,15 @@ PYTEST_ARGS ?=
 # Jupyter refuses to run as root (containers, CI) unless told to.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test nbval bench lint doctor grade clean-venv
+.PHONY: lab venv test check nbval bench lint doctor grade clean-venv
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "labkit needs Python 3.10+, found " + sys.version' 
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --progress-bar off -e ".[dev]"
 	@touch $(STAMP)
+
+venv: $(STAMP)  ## the virtual environment alone (.venv), as every target builds it
 
 lab: $(STAMP)  ## open the course in JupyterLab (prints the URL; never needs a browser)
 	@echo "Starting JupyterLab on notebooks/ — open the http://127.0.0.1:... URL printed below."
@@ -31,15 +33,29 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cf
 # notebook stores is what any learner's CPU reproduces.
 WORKERS ?= 2
 # Notebooks run in strict mode: a measured claim that misses its band fails (labkit/claims.py).
-PYTEST  := LABKIT_SOLUTIONS=1 LABKIT_STRICT_CLAIMS=1 $(BIN)/python -m pytest
+PYTEST  := env LABKIT_SOLUTIONS=1 LABKIT_STRICT_CLAIMS=1 $(BIN)/python -m pytest
+# Each stage's wall time is recorded (.ci/budget.py: $(LABKIT_TIMINGS)) and printed against its budget at the end;
+# under CI an overrun past the margin fails.  Every pytest run lists its 25 slowest tests.
+BUDGET  := python3 .ci/budget.py
+SLOWEST := --durations=25 --durations-min=1
 test: $(STAMP)  ## the whole suite but nbval (see README: Developing)
 	@status=0; \
-	$(PYTEST) tests -m "not timing" -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || status=1; \
-	$(PYTEST) tests -m timing -p no:xdist $(PYTEST_ARGS) || status=1; \
+	$(BUDGET) run unit -- $(PYTEST) tests -m "not timing" -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(SLOWEST) $(PYTEST_ARGS) || status=1; \
+	$(BUDGET) run browser -- $(PYTEST) tests -m timing -p no:xdist $(SLOWEST) $(PYTEST_ARGS) || status=1; \
+	$(BUDGET) report unit browser || status=1; \
 	exit $$status
 
+# The inner loop, under 2 minutes: ruff, the layout test, and the tests of what changed since $(BASE) (the working
+# tree's edits by default), but those a previous run here measured over $(FAST) seconds and what times itself.
+BASE ?= HEAD
+FAST ?= 5
+check: $(STAMP)  ## ruff, the layout test, the changed area's fast tests (README: Developing)
+	$(BIN)/ruff check labkit tests benchmarks exercises solutions
+	$(PYTEST) -q -n $(WORKERS) -m "not timing" --skip-slower-than=$(FAST) tests/test_layout.py \
+		$$($(BIN)/python tests/changed.py $(BASE)) $(PYTEST_ARGS)
+
 nbval: $(STAMP)  ## every notebook under nbval (solutions mode, this CPU's kernels), one at a time
-	$(PYTEST) notebooks $(NBVAL) -p no:xdist $(PYTEST_ARGS)
+	$(PYTEST) notebooks $(NBVAL) -p no:xdist $(SLOWEST) $(PYTEST_ARGS)
 
 bench: $(STAMP)  ## every benchmark against PyTorch's built-ins (long; labkit bench --quick is shorter); fails on a missed target
 	$(BIN)/labkit bench

@@ -65,6 +65,22 @@ def is_alive(pid: int) -> bool:
     return state != "Z"
 
 
+# Processes that outlive single tests by design (the browser test's one Chromium, whose helper processes come and
+# go): their descendants are not counted against a test; the fixture that starts one checks they end with it.
+LONG_LIVED: set[int] = set()
+
+
+def _ancestors(pid: int) -> set[int]:
+    found = set()
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        found.add(pid)
+    return found
+
+
 @pytest.fixture(autouse=True)
 def no_processes_left_behind():
     """Fail any test after which a child process of the test run is still alive."""
@@ -78,6 +94,7 @@ def no_processes_left_behind():
     while leftover and time.monotonic() < deadline:
         time.sleep(0.1)
         leftover = {pid for pid in live_descendants() - before if is_alive(pid)}
+    leftover = {pid for pid in leftover if pid not in LONG_LIVED and not _ancestors(pid) & LONG_LIVED}
     assert not leftover, f"processes left behind by this test: {sorted(leftover)}"
 
 
@@ -95,8 +112,37 @@ LONGEST_FIRST = ["tests/test_browser.py", "tests/test_grading.py", "tests/test_c
 TIMING_FILES = ["tests/test_browser.py"]
 
 
+# Each test's measured duration (its set-up and call, in seconds) is kept in pytest's cache from run to run, so that `make
+# check` can leave out what a previous run here measured as slow (`--skip-slower-than`).
+DURATIONS = "labkit/durations"
+_measured: dict[str, float] = {}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--skip-slower-than", type=float, default=None, metavar="SECONDS",
+                     help="deselect the tests a previous run here measured over SECONDS (make check)")
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call") and report.passed:
+        _measured[report.nodeid] = round(report.duration + (_measured.get(report.nodeid, 0.0)
+                                                            if report.when == "call" else 0.0), 2)
+
+
+def pytest_sessionfinish(session):
+    if _measured and session.config.cache is not None and not hasattr(session.config, "workerinput"):
+        session.config.cache.set(DURATIONS, {**session.config.cache.get(DURATIONS, {}), **_measured})
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the marker added here counts
 def pytest_collection_modifyitems(session, config, items):
+    limit = config.getoption("--skip-slower-than")
+    if limit is not None and config.cache is not None:
+        durations = config.cache.get(DURATIONS, {})
+        slow = {item.nodeid for item in items if durations.get(item.nodeid, 0.0) > limit}
+        if slow:
+            config.hook.pytest_deselected(items=[item for item in items if item.nodeid in slow])
+            items[:] = [item for item in items if item.nodeid not in slow]
     for item in items:
         path = item.nodeid.split("::")[0]
         if path in TIMING_FILES or path.endswith(".ipynb"):

@@ -25,6 +25,7 @@ or the pytest temporary folder; the path is printed.  Needs Debian's ``chromium`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import LONG_LIVED, REPO, is_alive, live_descendants
 from tests.notebook_outputs import output_differences
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -57,7 +58,7 @@ SERVER_START_S = 180       # JupyterLab's first start on two busy cores
 OPEN_S = 180               # the notebook page loaded, rendered, and its kernel idle
 RUN_ALL_S = 900            # one notebook's Run All (a minute or less on an idle laptop)
 REDRAW_S = 120             # one control moved until its figure changed and the kernel is idle again
-UNCHANGED_S = 6            # the kernel idle this long after a move, the figure unchanged: the move did nothing
+UNCHANGED_S = 3            # the kernel idle this long after a move, the figure unchanged: the move did nothing
 INSTALL = ("the browser tests need Debian's Chromium and Playwright for Python: `apt-get install chromium` and "
            "`.venv/bin/pip install playwright` (no browser download: the system's chromium is used)")
 
@@ -72,6 +73,17 @@ JS_PANEL = """(name) => {
     if (!panel || !panel.context.isReady || !panel.sessionContext.isReady) return false;
     const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
     return !!kernel && kernel.status === 'idle' && panel.content.widgets.length === panel.model.cells.length;
+}"""
+JS_OPEN = """(path) => {
+    window.labkitPanel = undefined;
+    window.jupyterapp.commands.execute('docmanager:open', {path, factory: 'Notebook'});
+}"""
+JS_CLOSE = """() => {  // every open document, closed without saving (Run All leaves a notebook modified)
+    for (const widget of Array.from(window.jupyterapp.shell.widgets('main'))) {
+        if (widget.context) widget.context.model.dirty = false;
+        widget.dispose();
+    }
+    window.labkitPanel = undefined;
 }"""
 JS_IDLE = """() => {
     const kernel = window.labkitPanel.sessionContext.session.kernel;
@@ -248,10 +260,12 @@ def lab(tmp_path_factory):
     server.close()
 
 
-@pytest.fixture
-def page(lab):
-    """A fresh headless Chromium for each notebook (its helper processes end with it), console errors kept."""
+@pytest.fixture(scope="module")
+def browser_page(lab):
+    """One headless Chromium and one page for the whole module (its helper processes end with it), as a learner
+    keeps one JupyterLab tab open and opens one notebook after another in it; console errors kept."""
     sync_playwright = require_browser()
+    started, before, browser_processes = time.monotonic(), live_descendants(), set()
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium_path(), headless=True,
                                              args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
@@ -262,10 +276,54 @@ def page(lab):
                 f"console: {message.text} ({message.location.get('url', '')})"))
             page.on("pageerror", lambda error: page.console_errors.append(f"page error: {error}"))
             page.set_default_timeout(60_000)
+            print(f"Chromium started in {time.monotonic() - started:.1f} s")
+            browser_processes = live_descendants() - before - set(lab_processes(lab))
+            LONG_LIVED.update(browser_processes)
             yield page
         finally:
             browser.close()
+    LONG_LIVED.difference_update(browser_processes)
+    deadline = time.monotonic() + 10.0
+    while any(is_alive(pid) for pid in browser_processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in browser_processes if is_alive(pid)], "Chromium's processes outlived the browser test"
+
+
+@pytest.fixture
+def page(lab, browser_page):
+    """The module's page, its console errors cleared; afterwards the notebook is closed unsaved and every
+    kernel shut down, so that the next notebook starts as a learner's does: one notebook, one fresh kernel."""
+    browser_page.console_errors.clear()
+    try:
+        yield browser_page
+    finally:
+        try:
+            browser_page.evaluate(JS_CLOSE)
+        finally:
             lab.shut_down_kernels()
+
+
+class Phases:
+    """Wall time per phase of one notebook's test, printed in the log (where the browser test's time goes)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.monotonic() - start
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds.items())
+
+
+def lab_processes(lab: Lab) -> set[int]:
+    """The JupyterLab server and its kernels: not the browser's."""
+    return {lab.process.pid} | live_descendants(lab.process.pid)
 
 
 def describe(cell: dict) -> str:
@@ -289,12 +347,17 @@ def widget_errors_in(page) -> list[str]:
 
 
 def open_notebook(page, lab: Lab, path: str) -> list[str]:
-    """Open ``path`` (relative to the server's root) on a fresh workspace, wait for its kernel; (a) what it
-    shows before it runs."""
-    page.goto(f"{lab.url}/lab/tree/{path}?reset&token={lab.token}", timeout=OPEN_S * 1000)
-    page.wait_for_function(JS_PANEL, arg=path, timeout=OPEN_S * 1000, polling=500)
-    page.wait_for_timeout(2000)  # a widget view that cannot find its model says so asynchronously
+    """Open ``path`` (relative to the server's root) in JupyterLab (loaded on a fresh workspace the first time,
+    after that the page's own: File > Open), wait for its kernel; (a) what it shows before it runs."""
+    if page.evaluate("() => !!window.jupyterapp"):  # JupyterLab is loaded in the page
+        page.evaluate(JS_OPEN, path)
+    else:
+        page.goto(f"{lab.url}/lab/tree/{path}?reset&token={lab.token}", timeout=OPEN_S * 1000)
+    page.wait_for_function(JS_PANEL, arg=path, timeout=OPEN_S * 1000, polling=250)
     cells = page.evaluate(JS_CELLS)
+    if any(cell["widgets"] for cell in cells):  # only a stored widget view can fail to find its model, and it
+        page.wait_for_timeout(2000)            # says so asynchronously
+        cells = page.evaluate(JS_CELLS)
     problems = [f"before running: shows {phrase!r}" for phrase in widget_errors_in(page)]
     problems += [f"before running: stored widget view in {describe(cell)} (its model exists only in the kernel "
                  "that made it: notebooks/store.py strips such views)" for cell in cells if cell["widgets"]]
@@ -304,12 +367,10 @@ def open_notebook(page, lab: Lab, path: str) -> list[str]:
 def run_all(page) -> tuple[list[dict], list[str]]:
     """(b) Run All, as the Run menu does; the cells afterwards, and what went wrong: an error output, a code
     cell that never ran, a grading cell without its score."""
-    started = time.monotonic()
     page.evaluate(JS_RUN_ALL)
     page.wait_for_function("() => window.labkitRunAll !== undefined", timeout=RUN_ALL_S * 1000, polling=1000)
     page.wait_for_function(JS_IDLE, timeout=REDRAW_S * 1000, polling=500)
     cells, result = page.evaluate(JS_CELLS), page.evaluate("() => window.labkitRunAll")
-    print(f"Run All took {time.monotonic() - started:.0f} s")
     code = [cell for cell in cells if cell["type"] == "code" and cell["source"].strip()]
     problems = [f"Run All: the command failed: {result['error']}"] if "error" in result else []
     problems += [f"Run All: error in {error}" for error in errors_in(cells)]
@@ -384,7 +445,7 @@ def new_figure(page, image, before: str) -> bool:
     return image.evaluate(JS_HASH) not in (before, "")
 
 
-def settled_figure(page, image, quiet_s: float = 1.0) -> str:
+def settled_figure(page, image, quiet_s: float = 0.5) -> str:
     """The figure once the kernel is idle and the picture has not changed for ``quiet_s``."""
     shown, since = image.evaluate(JS_HASH), time.monotonic()
     deadline = since + REDRAW_S
@@ -452,17 +513,23 @@ def test_notebook_in_the_browser(lab, page, notebook):
     the failure lists all that was found."""
     shots = lab.artifacts / notebook.stem
     problems: list[str] = []
+    phases = Phases()
     try:
-        problems += open_notebook(page, lab, f"notebooks/{notebook.name}")
-        cells, found = run_all(page)
+        with phases("open"):
+            problems += open_notebook(page, lab, f"notebooks/{notebook.name}")
+        with phases("Run All"):
+            cells, found = run_all(page)
         problems += found + differs_from_stored(notebook, cells)
-        moved, found = move_every_control(page, cells, shots)
+        with phases("explorers"):
+            moved, found = move_every_control(page, cells, shots)
         problems += found
         print(f"{notebook.name}: moved {len(moved)} controls: " + "; ".join(moved))
         if len(moved) != EXPECTED_CONTROLS[notebook.stem]:
             problems.append(f"explorers: {len(moved)} controls found, expected {EXPECTED_CONTROLS[notebook.stem]}")
         problems += page.console_errors  # (d)
-        page.screenshot(path=f"{shots}.png")
+        with phases("screenshot"):
+            page.screenshot(path=f"{shots}.png")
+        print(f"{notebook.name}: {phases}")
     except BaseException:
         page.screenshot(path=f"{shots}-failure.png")
         print(f"{notebook.name}: failure screenshot {shots}-failure.png; found before the failure: {problems}")
