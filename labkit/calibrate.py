@@ -120,6 +120,11 @@ def _fit_compute(config: GPTConfig, micro_batches: tuple[int, ...], repeats: int
     return 1 / max(per_flop, 1e-15), per_layer, per_pass
 
 
+# ``labkit doctor --quick``: two micro-batch sizes (the fewest the fit takes) and two repeats of each timing, a
+# third of the time, and noisier constants (the medians are of fewer samples).
+QUICK = {"micro_batches": (1, 4), "repeats": 2}
+
+
 def calibrate(preset: str = "1m", micro_batches: tuple[int, ...] = (1, 2, 4, 8), ranks: int = 8,
               link_sizes: tuple[int, ...] = (8, 1 << 14, 1 << 17, 1 << 20), repeats: int = 5,
               progress: Callable[[str], None] | None = None) -> Calibration:

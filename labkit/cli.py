@@ -1,9 +1,10 @@
 """The ``labkit`` command: ``labkit doctor | grade | bench | plan``.
 
-- ``labkit doctor [--no-calibrate]`` — what this machine offers (torch, backends, GPUs, CPUs) and a 2-rank gloo
-  all-reduce as a smoke test.  The first thing to run when something is off.  Then it calibrates the cost model
-  (``labkit.calibrate.calibrate``: FLOP/s, the gloo links' alpha-beta, AdamW's step) and saves the constants that
-  lesson 11 predicts this machine's runs from (``labkit.costmodel.calibration``).
+- ``labkit doctor [--quick | --no-calibrate]`` — what this machine offers (torch, backends, GPUs, CPUs) and a 2-rank
+  gloo all-reduce as a smoke test.  The first thing to run when something is off.  Then it calibrates the cost
+  model (``labkit.calibrate.calibrate``: FLOP/s, the gloo links' alpha-beta, AdamW's step) and saves the constants
+  that lesson 11 predicts this machine's runs from (``labkit.costmodel.calibration``); ``--quick`` measures fewer
+  micro-batch sizes and repeats (``labkit.calibrate.QUICK``): faster, noisier constants.
 - ``labkit grade [--solutions] [--dir PATH] [--json]`` — score every exercise: a table for a person, JSON
   for an instructor's tooling.
 - ``labkit bench [--quick] [--report-only] [NAME ...]`` — run the benchmarks in ``benchmarks/`` (each compares a
@@ -87,17 +88,19 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"ok ({values}, on {', '.join(devices)}, {seconds:.2f} s, {timed})")
     if under_torchrun or not getattr(args, "calibrate", True):
         return 0
-    return _calibrate()
+    return _calibrate(quick=getattr(args, "quick", False))
 
 
-def _calibrate() -> int:
-    """Measure this machine's constants for the cost model (lesson 11) and save them."""
-    from labkit.calibrate import calibrate
+def _calibrate(quick: bool = False) -> int:
+    """Measure this machine's constants for the cost model (lesson 11) and save them; ``quick``: with
+    ``labkit.calibrate.QUICK``'s fewer micro-batch sizes and repeats (faster, noisier)."""
+    from labkit.calibrate import QUICK, calibrate
     from labkit.costmodel import calibration
 
-    print("calibration for lesson 11's predictions (about half a minute; --no-calibrate skips it):", flush=True)
+    how = "quick: fewer samples, noisier constants" if quick else "about half a minute; --quick: fewer samples"
+    print(f"calibration for lesson 11's predictions ({how}; --no-calibrate skips it):", flush=True)
     try:
-        measured = calibrate(progress=lambda line: print(f"  {line}", flush=True))
+        measured = calibrate(**(QUICK if quick else {}), progress=lambda line: print(f"  {line}", flush=True))
     except Exception as error:  # the doctor reports, it does not crash
         print(f"calibration FAILED\n{error}")
         return 1
@@ -245,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     doctor_parser = commands.add_parser("doctor", help="check this machine, run a 2-rank smoke test, calibrate")
     doctor_parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                                help="skip measuring FLOP/s and the gloo links for lesson 11's predictions")
+    doctor_parser.add_argument("--quick", action="store_true",
+                               help="calibrate from fewer micro-batch sizes and repeats: faster, noisier constants")
     doctor_parser.set_defaults(run=doctor)
     grade_parser = commands.add_parser("grade", help="score every exercise")
     grade_parser.add_argument("--solutions", action="store_true", help="grade solutions/ instead of exercises/")

@@ -130,15 +130,17 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    if _measured and session.config.cache is not None and not hasattr(session.config, "workerinput"):
-        session.config.cache.set(DURATIONS, {**session.config.cache.get(DURATIONS, {}), **_measured})
+    cache = getattr(session.config, "cache", None)  # None under -p no:cacheprovider
+    if _measured and cache is not None and not hasattr(session.config, "workerinput"):
+        cache.set(DURATIONS, {**cache.get(DURATIONS, {}), **_measured})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the marker added here counts
 def pytest_collection_modifyitems(session, config, items):
     limit = config.getoption("--skip-slower-than")
-    if limit is not None and config.cache is not None:
-        durations = config.cache.get(DURATIONS, {})
+    cache = getattr(config, "cache", None)
+    if limit is not None and cache is not None:
+        durations = cache.get(DURATIONS, {})
         slow = {item.nodeid for item in items if durations.get(item.nodeid, 0.0) > limit}
         if slow:
             config.hook.pytest_deselected(items=[item for item in items if item.nodeid in slow])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -49,10 +51,13 @@ def test_every_exercise_has_a_stub_a_solution_and_a_checker():
 @pytest.fixture(scope="module")
 def solutions_graded() -> dict:
     """``labkit grade --solutions --json``, run once: what an instructor's tooling reads, and the solutions'
-    scores (grading every solution takes seconds; the tests below share one run)."""
-    completed = _labkit("grade", "--solutions", "--json")
-    assert completed.returncode == 0, completed.stderr
-    return json.loads(completed.stdout)
+    scores (grading every solution takes seconds; the tests below share one run).  In this process, as
+    ``labkit.cli.main``: the command's own process start is tested below (``labkit grade --dir``)."""
+    from labkit import cli
+
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert cli.main(["grade", "--solutions", "--json"]) == 0
+    return json.loads(printed.getvalue())
 
 
 @pytest.mark.parametrize("topic", list(grading.EXERCISES))
@@ -246,15 +251,15 @@ def _wrong(name: str, tmp_path: Path) -> Path:
 
 
 def test_student_code_that_loops_for_ever_is_a_failed_check_not_a_stuck_grader(monkeypatch, tmp_path):
-    monkeypatch.setattr(grading, "DEFAULT_CHECK_TIMEOUT", 3.0)
+    monkeypatch.setattr(grading, "DEFAULT_CHECK_TIMEOUT", 1.0)  # the loop never ends: any limit proves it
     report = grading.check("setup", directory=_wrong("setup_endless_loop", tmp_path), verbose=False)
     looping = [r for r in report.checks if r.name in SETUP_CHECKS[:2]]
-    assert all(not r.passed and "did not finish within 3 s" in r.message for r in looping)
+    assert all(not r.passed and "did not finish within 1 s" in r.message for r in looping)
     assert all(r.seconds < 10 for r in looping)
 
 
 def test_student_code_that_hangs_in_a_collective_is_a_failed_check(monkeypatch, tmp_path):
-    monkeypatch.setattr(setup_checks, "LAUNCH_TIMEOUT", 3.0)
+    monkeypatch.setattr(setup_checks, "LAUNCH_TIMEOUT", 1.0)  # ranks 1 and up never join: any limit proves it
     report = grading.check("setup", directory=_wrong("setup_rank_zero_only", tmp_path), verbose=False)
     result = next(r for r in report.checks if r.name == SETUP_CHECKS[2])
     assert not result.passed and "hung" in result.message
@@ -322,16 +327,17 @@ def test_labkit_grade_table_scores_a_folder_of_student_files(tmp_path):
     assert "01_collectives.py" in completed.stdout and "no 01_collectives.py in" in completed.stdout  # missing: 0
 
 
-def test_labkit_grade_rejects_a_missing_directory():
-    completed = _labkit("grade", "--dir", "/no/such/folder")
-    assert completed.returncode == 2 and "not a directory" in completed.stderr
+def test_labkit_grade_rejects_a_missing_directory(capsys):
+    from labkit import cli
+
+    assert cli.main(["grade", "--dir", "/no/such/folder"]) == 2 and "not a directory" in capsys.readouterr().err
 
 
 def test_labkit_doctor_runs_the_smoke_test_and_calibrates(tmp_path, monkeypatch):
     from labkit.costmodel.calibration import load
 
     monkeypatch.setenv("LABKIT_CALIBRATION", str(tmp_path / "calibration.json"))
-    completed = _labkit("doctor")
+    completed = _labkit("doctor", "--quick")  # the full calibration's arguments: the test below
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "torch" in completed.stdout and "smoke test" in completed.stdout and "ok ([3.0, 3.0], on cpu" in completed.stdout
     measured = load(tmp_path / "calibration.json")
@@ -339,6 +345,24 @@ def test_labkit_doctor_runs_the_smoke_test_and_calibrates(tmp_path, monkeypatch)
     assert f"saved to {tmp_path / 'calibration.json'}" in completed.stdout and "GFLOP/s" in completed.stdout
     skipped = _labkit("doctor", "--no-calibrate")
     assert skipped.returncode == 0 and "calibration" not in skipped.stdout
+
+
+def test_labkit_doctor_calibrates_with_calibrates_own_defaults_and_quick_with_fewer_samples(monkeypatch, capsys):
+    """The test above runs ``doctor --quick``; plain ``doctor`` passes nothing but ``progress`` to ``calibrate``,
+    whose defaults are the full calibration (wired here without running it)."""
+    from labkit import calibrate, cli, launch
+    from labkit.costmodel import calibration
+
+    calls = []
+    measured = type("Measured", (), {"describe": lambda self: "the constants"})()
+    monkeypatch.setattr(calibrate, "calibrate", lambda **kwargs: calls.append(kwargs) or measured)
+    monkeypatch.setattr(calibration, "save", lambda constants: "the path")
+    monkeypatch.setattr(launch, "launch", lambda *args, nprocs, **kwargs: [(3.0, "cpu")] * nprocs)
+    assert cli.main(["doctor"]) == 0 and cli.main(["doctor", "--quick"]) == 0
+    assert [sorted(kwargs) for kwargs in calls] == [["progress"], sorted(["progress", *calibrate.QUICK])]
+    assert {key: calls[1][key] for key in calibrate.QUICK} == calibrate.QUICK == {"micro_batches": (1, 4),
+                                                                                 "repeats": 2}
+    assert capsys.readouterr().out.count("the constants\n  saved to the path") == 2
 
 
 def test_labkit_doctor_under_torchrun_checks_the_whole_job():
@@ -352,9 +376,10 @@ def test_labkit_doctor_under_torchrun_checks_the_whole_job():
     assert "joining the process group included" in completed.stdout and "starting the processes" not in completed.stdout
 
 
-def test_labkit_bench_rejects_an_unknown_benchmark():
-    completed = _labkit("bench", "no-such-benchmark")
-    assert completed.returncode == 2 and "unknown benchmark" in completed.stderr
+def test_labkit_bench_rejects_an_unknown_benchmark(capsys):
+    from labkit import cli
+
+    assert cli.main(["bench", "no-such-benchmark"]) == 2 and "unknown benchmark" in capsys.readouterr().err
 
 
 def test_the_bucket_exercise_teaches_the_rule_labkit_ddp_uses():
@@ -501,13 +526,13 @@ def test_the_parameter_server_hints_say_what_went_wrong_in_the_students_terms(na
 
 
 def test_a_rule_that_waits_inside_arrive_is_a_failed_check_not_a_hang(monkeypatch, tmp_path):
-    monkeypatch.setattr(grading, "DEFAULT_CHECK_TIMEOUT", 3.0)
-    monkeypatch.setattr(parameter_server_checks, "LAUNCH_TIMEOUT", 5.0)
+    monkeypatch.setattr(grading, "DEFAULT_CHECK_TIMEOUT", 1.0)  # arrive never returns: any limit proves it
+    monkeypatch.setattr(parameter_server_checks, "LAUNCH_TIMEOUT", 2.0)
     report = grading.check("parameter_server", directory=_wrong("parameter_server_waits_inside_arrive", tmp_path),
                            verbose=False)
     assert report.passed == 0
-    assert all("did not finish within 3 s" in result.message for result in report.checks[:2])
-    assert "the run did not finish within 5 s" in report.checks[2].message and report.checks[2].seconds < 30
+    assert all("did not finish within 1 s" in result.message for result in report.checks[:2])
+    assert "the run did not finish within 2 s" in report.checks[2].message and report.checks[2].seconds < 30
 
 
 def test_a_check_that_launches_ranks_runs_after_a_backward_pass_in_the_caller():

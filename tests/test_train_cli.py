@@ -45,7 +45,9 @@ def test_progress_after_a_resume_times_only_the_steps_it_ran(tmp_path, capsys):
     out = capsys.readouterr().out
     progress = _ms_per_step(out)[-1]
     final = float(re.search(r"; ([\d.]+) ms/step; replicas", out).group(1))
-    assert 0.5 < progress / final < 2, out
+    # Two timings of 3 steps a few ms long each, taken around different work, beside other tests: a wide band,
+    # which the bug (1/11) still leaves.  The division itself is checked exactly on the next lines.
+    assert 0.2 < progress / final < 5, out
     line = train.progress_line(220, 200, 400, [2.0], None, 1.0, {})
     assert "step   220/400" in line and line.endswith("| 50.0 ms/step")  # 1 s over 20 steps
 

@@ -27,11 +27,10 @@ exercise 07 forbids the 1F1B schedules of ``torch.distributed.pipelining`` and t
 actions.
 
 :func:`graders_off_limits` keeps the checkers' own references (and any import of ``labkit.grading``) from the
-student's code; :func:`labkit.grading.files.observe` uses the swap to watch rather than refuse.
-
-Everything is put back when the block ends (ranks a check forks inherit the swap).  Cost: swapping the ~200
-functions takes about 15 ms; under the dispatch mode every tensor operation makes one extra Python call, nothing
-next to gloo's messages.  The guard stops honest shortcuts, not an adversary, who can dig out what it swapped.
+student's code; :func:`labkit.grading.files.observe` uses the swap to watch rather than refuse.  Everything is
+put back when the block ends (ranks a check forks inherit the swap).  Cost: a few ms to swap the ~500 functions
+(by code compiled once); under the dispatch mode every tensor operation makes one extra Python call.  The guard
+stops honest shortcuts, not an adversary, who can dig out what it swapped.
 """
 
 from __future__ import annotations
@@ -89,6 +88,9 @@ TORCH_COLLECTIVE_MODULES = ("torch.distributed.distributed_c10d", "torch.distrib
 
 DEFAULT_REASON = "this exercise asks you to write it yourself"
 POINT_TO_POINT_REASON = "build it from point-to-point messages (dist.isend / dist.irecv)"
+HOLE = "<labkit.grading.guard: the value>"  # a constant in a swapped function's statement: _code_running's value
+# A swapped function runs with its own globals: it reaches the exception class through __import__.
+_REFUSED = f"raise __import__({__name__!r}, fromlist=['_']).Forbidden({HOLE!r})"
 
 
 class Forbidden(CheckFailed):
@@ -150,21 +152,11 @@ def forbid(student: types.ModuleType | None = None, *, library: Iterable[str] = 
     :class:`Forbidden`; with ``collectives=True`` so do torch's built-in collectives, and the point-to-point
     messages are recorded in ``traffic``.  ``student`` is the student's module, whose globals are also scanned.
     """
-    allowed = {id(function) for name in allow for function in _functions(_resolve(name))}
-    swaps: list[tuple[Callable, str]] = []
-    for name in library:
-        for function in _functions(_resolve(name)):
-            if id(function) not in allowed:
-                whose = "labkit's own implementation" if function.__module__.startswith("labkit") else "a built-in"
-                swaps.append((function, f"used {_public_name(function)}, {whose}: {reason}"))
-    if collectives:
-        for function in _torch_collectives():
-            swaps.append((function, f"used {_public_name(function)}, a built-in collective: {reason}"))
+    loaded = tuple(name for name in TORCH_COLLECTIVE_MODULES if collectives and sys.modules.get(name))
     with ExitStack() as restore:
-        unswapped = []
-        for function, message in swaps:
-            if not _swap_code(function, message, restore):
-                unswapped.append((function, message))
+        unswapped = [(function, message) for function, message, code in _refusals(tuple(library), tuple(allow),
+                                                                                   reason, loaded)
+                     if not _swap_code(function, message, restore, code)]
         if collectives:
             _refuse_process_group_collectives(reason, restore)
         if student is not None:
@@ -190,8 +182,7 @@ def no_shortcuts(check: Callable[[types.ModuleType], None] | None = None, *,
     the torch modules named in ``built_ins``: ``@no_shortcuts`` or ``@no_shortcuts(allow=[...])``.  Ranks the
     check launches inherit the guard."""
     allow, library = tuple(allow), LABKIT_IMPLEMENTATIONS + tuple(built_ins)
-    for name in built_ins:  # import them now, at the checker's import, so that the check processes need not
-        _resolve(name)
+    _refusals(library, allow, DEFAULT_REASON)  # now, at the checker's import: the check processes inherit them
 
     def decorate(check: Callable[[types.ModuleType], None]) -> Callable[[types.ModuleType], None]:
         @functools.wraps(check)
@@ -210,6 +201,8 @@ def no_shortcuts(check: Callable[[types.ModuleType], None] | None = None, *,
 
 GRADERS = "labkit.grading"
 _CALLS: dict[int, Callable[..., Any]] = {}  # the calls the swapped functions forward to, by key
+_STUDENTS: list[types.ModuleType] = []  # the modules graders_off_limits keeps the graders from
+_SERVED = f"return __import__({__name__!r}, fromlist=['_'])._CALLS[{HOLE!r}](*args, **kwargs)"
 REASON = "the grader itself: the answer must be yours"
 
 
@@ -229,12 +222,14 @@ def graders_off_limits(student: types.ModuleType | None) -> Iterator[None]:
             raise Forbidden(f"your file holds {_grader_name(value)} (as {name}), {REASON}")
     with ExitStack() as restore:
         _refuse_imports(student.__name__, restore)
+        _STUDENTS.append(student)
+        restore.callback(_STUDENTS.remove, student)
         for module_name, module in list(sys.modules.items()):
             if module_name.startswith(f"{GRADERS}.checkers.") and module is not None:
                 for function in vars(module).values():  # functions, not methods
                     if type(function) is types.FunctionType and function.__module__ == module_name and \
-                            not getattr(function, "guarded", False):
-                        _serve_only_the_grader(function, student, restore)
+                            not getattr(function, "guarded", False) and (code := _served(function)) is not None:
+                        _swap_code(function, "", restore, code)
         yield
 
 
@@ -261,23 +256,21 @@ def _refuse_imports(student: str, restore: ExitStack) -> None:
     restore.callback(setattr, builtins, "__import__", original)
 
 
-def _serve_only_the_grader(function: types.FunctionType, student: types.ModuleType, restore: ExitStack) -> None:
+@functools.cache
+def _served(function: types.FunctionType) -> types.CodeType | None:
+    """Code for ``function`` that refuses a call from a student's module and runs the original for any other."""
     twin = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
                               function.__closure__)
-    twin.__kwdefaults__, key = function.__kwdefaults__, id(twin)
-    message = f"used {_public_name(function)}, {REASON}"
+    twin.__kwdefaults__, message = function.__kwdefaults__, f"used {_public_name(function)}, {REASON}"
 
     def call(*args: Any, **kwargs: Any) -> Any:  # frame 0: here, 1: the swapped function, 2: its caller
-        if sys._getframe(2).f_globals is vars(student) and function not in vars(student).values():
-            raise Forbidden(message)  # (one the checker put in the student's module, to grade a part alone, serves)
+        caller = sys._getframe(2).f_globals  # (one the checker put in the student's module, to grade a part, serves)
+        if any(caller is vars(student) and function not in vars(student).values() for student in _STUDENTS):
+            raise Forbidden(message)
         return twin(*args, **kwargs)
 
-    _CALLS[key] = call
-    restore.callback(_CALLS.pop, key, None)
-    code = _code_running(function, f"return __import__({__name__!r}, fromlist=['_'])._CALLS[{key}](*args, **kwargs)",
-                         "served")
-    if code is not None:
-        _swap_code(function, "", restore, code)
+    _CALLS[id(function)] = call
+    return _code_running(function, _SERVED, "served", id(function))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -325,17 +318,24 @@ def _as_function(value: Any) -> list[types.FunctionType]:
     return [value] if isinstance(value, types.FunctionType) else []
 
 
-def _torch_collectives() -> list[types.FunctionType]:
-    functions = []
-    for module_name in TORCH_COLLECTIVE_MODULES:
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue
-        for name, value in vars(module).items():
-            if type(value) is types.FunctionType and value.__module__ == module_name and \
-                    COLLECTIVE_NAME.match(name):
-                functions.append(value)
-    return functions
+@functools.lru_cache(maxsize=64)
+def _refusals(library: tuple[str, ...], allow: tuple[str, ...], reason: str,
+              loaded: tuple[str, ...] = ()) -> list[tuple[Any, str, Any]]:
+    """``(function, message, refusing code)`` for each function :func:`forbid` swaps: those of ``library`` less
+    ``allow``, and the collectives of the modules of :data:`TORCH_COLLECTIVE_MODULES` in ``loaded``.  Worked out
+    once per guard and process (a check enters its guard once; exercise 01's ranks at every call)."""
+    allowed = {id(function) for name in allow for function in _functions(_resolve(name))}
+    chosen = [(function, "labkit's own implementation" if function.__module__.startswith("labkit") else "a built-in")
+              for name in library for function in _functions(_resolve(name)) if id(function) not in allowed]
+    chosen += [(function, "a built-in collective") for module_name in loaded
+               for name, function in vars(sys.modules[module_name]).items()
+               if type(function) is types.FunctionType and function.__module__ == module_name
+               and COLLECTIVE_NAME.match(name)]
+    refusals = []
+    for function, whose in chosen:
+        message = f"used {_public_name(function)}, {whose}: {reason}"
+        refusals.append((function, message, _code_running(function, _REFUSED, value=message)))
+    return refusals
 
 
 def _public_name(function: types.FunctionType) -> str:
@@ -348,20 +348,20 @@ def _public_name(function: types.FunctionType) -> str:
 # Making it refuse
 
 
-def _refusing_code(function: types.FunctionType, message: str) -> types.CodeType | None:
-    """Code that raises ``Forbidden(message)``, with ``function``'s free variables (so it fits its closure).
-    It runs with ``function``'s globals, so it reaches the exception class through ``__import__``."""
-    return _code_running(function, f"raise __import__({__name__!r}, fromlist=['Forbidden']).Forbidden({message!r})")
-
-
-def _code_running(function: types.FunctionType, statement: str, name: str = "refused") -> types.CodeType | None:
+def _code_running(function: types.FunctionType, statement: str, name: str = "refused",
+                  value: Any = None) -> types.CodeType | None:
     """Code of a function ``name(*args, **kwargs)`` that runs ``statement``, with ``function``'s free variables
-    (tests tell a swapped function by its code's name)."""
-    free = function.__code__.co_freevars
-    lines = ["def outer():", *(f"    {free_name} = None" for free_name in free), f"    def {name}(*args, **kwargs):"]
-    if free:
-        lines.append(f"        ({', '.join(free)},)")
-    lines += [f"        {statement}", f"    return {name}"]
+    (tests tell a swapped function by its code's name), ``value`` in place of :data:`HOLE`: compiled once per set of
+    free variables, as a check swaps hundreds of functions each time it enters the guard (01's ranks: every call)."""
+    code = _template(function.__code__.co_freevars, statement, name)
+    return code if code is None or value is None else code.replace(co_consts=tuple(
+        value if type(constant) is str and constant == HOLE else constant for constant in code.co_consts))
+
+
+@functools.lru_cache(maxsize=256)
+def _template(free: tuple[str, ...], statement: str, name: str) -> types.CodeType | None:
+    lines = ["def outer():", *(f"    {free_name} = None" for free_name in free), f"    def {name}(*args, **kwargs):",
+             *([f"        ({', '.join(free)},)"] if free else []), f"        {statement}", f"    return {name}"]
     namespace: dict[str, Any] = {}
     try:
         exec("\n".join(lines), namespace)
@@ -373,7 +373,7 @@ def _code_running(function: types.FunctionType, statement: str, name: str = "ref
 
 def _swap_code(function: types.FunctionType, message: str, restore: ExitStack,
                code: types.CodeType | None = None) -> bool:
-    code = _refusing_code(function, message) if code is None else code
+    code = _code_running(function, _REFUSED, value=message) if code is None else code
     if code is None:
         return False
     original = function.__code__

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from labkit.grading import CheckFailed, guard
+from labkit.grading import CheckFailed, compact, guard
 from labkit.grading.checkers import checkpoint_run as training
 from labkit.grading.checkers.checkpoint_run import BUILT_INS, CHECKER_TOOLS, LAUNCH_TIMEOUT, SAVE_AT, STEPS
 from labkit.grading.checkers.checkpoint_writes import check_atomic, check_writes
@@ -69,7 +69,7 @@ def _first_run(save_checkpoint, path: str, bare: str | None) -> dict[str, Any]:
                     scaler=run.scaler)
     if bare:
         save_checkpoint(bare, run.model, run.optimizer, run.generator, SAVE_AT)
-    return {"losses": straight, "final": final, "saved": saved}
+    return compact({"losses": straight, "final": final, "saved": saved})
 
 
 def _resumed_run(load_checkpoint, path: str, bare: str | None) -> dict[str, Any]:
@@ -88,7 +88,8 @@ def _resumed_run(load_checkpoint, path: str, bare: str | None) -> dict[str, Any]
             refusals[part] = None
         except Exception as error:  # noqa: BLE001 — reported as the hint
             refusals[part] = f"raised {type(error).__name__}: {error}"
-    return {"step": step, "loaded": loaded, "losses": losses, "final": training.weights(run), "refusals": refusals}
+    return compact({"step": step, "loaded": loaded, "losses": losses, "final": training.weights(run),
+                    "refusals": refusals})
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def _save_and_record(save_checkpoint, path: str) -> dict[str, torch.Tensor]:
         training.train_step(run)
     states = {"rng": torch.get_rng_state(), "sampler": run.generator.get_state()}
     save_checkpoint(path, run.model, run.optimizer, run.generator, 2)
-    return states
+    return compact(states)
 
 
 def _byte_strings(value: Any) -> list[bytes]:
