@@ -1,6 +1,6 @@
 """3D parallelism (labkit.parallel.parallelize, labkit.train --dp/--tp/--pp) against one process.
 
-Every layout of the issue runs on 8 gloo ranks with TinyGPT's 100k preset, 5 steps, over the same global batch
+Every layout of the issue runs on 8 gloo ranks with TinyGPT's 100k preset, 3 steps, over the same global batch
 as one process: the loss trajectory within 1e-5 and the same final weights.  The layouts share one launch of 8
 ranks (each makes its own Mesh), so the suite pays for the ranks' start-up once.
 """
@@ -16,7 +16,7 @@ from labkit.models import GPTConfig, TinyGPT
 from labkit.train import TrainConfig, build, main, parse_arguments
 
 CONFIG = GPTConfig.preset("100k", tie_weights=False)
-STEPS, BATCH, MICRO = 5, 4, 2  # per data-parallel rank: BATCH sequences in MICRO micro-batches
+STEPS, BATCH, MICRO = 3, 4, 2  # per data-parallel rank: BATCH sequences in MICRO micro-batches
 LR = 0.3
 
 # (dp, tp, pp, zero, schedule): the issue's five layouts, then every data-parallel wrapper and schedule at 2x2x2
