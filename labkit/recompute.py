@@ -4,7 +4,9 @@
 each checkpointed block's *input* (``s b h`` values) and re-runs the block's forward during the backward pass
 to rebuild the rest, one block at a time.  For ``L`` blocks with ``A`` bytes of activations each,
 checkpointing all of them cuts ``L A`` to about ``L s b h x bytes + A``, at the price of a second forward
-through them: about a third more compute, since a backward costs about two forwards.
+through them: at most a third more compute, since a backward costs about two forwards.  PyTorch's
+non-reentrant checkpoint stops recomputing once every tensor the backward needs is rebuilt, so a block whose
+last operation saves only its input (a linear layer) never re-runs it (lesson 04 counts the FLOPs).
 :func:`checkpoint_blocks` applies it to the first ``count`` blocks (``torch.utils.checkpoint`` with
 ``use_reentrant=False``); recomputation is deterministic, so the gradients are the same bit for bit.
 
