@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 
+from labkit import claims
 from tests.conftest import LONG_LIVED, REPO, is_alive, live_descendants
 from tests.notebook_outputs import output_differences
 
@@ -341,6 +342,13 @@ def errors_in(cells: list[dict]) -> list[str]:
     return found
 
 
+def first_failure_is_a_measured_miss(found: list[str]) -> bool:
+    """Whether the first error of a Run All (``run_all``'s list) is a measured claim missing its band in strict
+    mode: the cells after it that never ran, or failed for want of its variables, follow from it."""
+    errors = [problem for problem in found if problem.startswith(("Run All: error in", "Run All: the command"))]
+    return bool(errors) and claims.strict_miss(errors[0])
+
+
 def widget_errors_in(page) -> list[str]:
     text = page.locator(".jp-NotebookPanel").first.inner_text()
     return [phrase for phrase in ("Error displaying widget", "model not found") if phrase in text]
@@ -519,6 +527,14 @@ def test_notebook_in_the_browser(lab, page, notebook):
             problems += open_notebook(page, lab, f"notebooks/{notebook.name}")
         with phases("Run All"):
             cells, found = run_all(page)
+        if first_failure_is_a_measured_miss(found):  # one more Run All, in a fresh kernel, decides
+            print(f"{notebook.name}: {found[0]}\n{notebook.name}: the first failure was a measured claim's miss: "
+                  "Run All once more, in a fresh kernel (labkit.claims.strict_miss)")
+            page.evaluate(JS_CLOSE)
+            lab.shut_down_kernels()
+            with phases("Run All again"):
+                open_notebook(page, lab, f"notebooks/{notebook.name}")
+                cells, found = run_all(page)
         problems += found + differs_from_stored(notebook, cells)
         with phases("explorers"):
             moved, found = move_every_control(page, cells, shots)

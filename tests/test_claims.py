@@ -73,6 +73,20 @@ def test_a_measured_miss_fails_in_strict_mode_naming_the_band_and_its_source(str
     assert claims.measured("the step", 0.0316, 0.0306, BAND)  # a hit is a hit in either mode
 
 
+def test_a_strict_miss_is_told_apart_from_a_computed_claims_failure_and_any_other_error(strict):
+    for measured in (lambda: claims.measured("the step", 2.0, 1.0, BAND),
+                     lambda: claims.measured_holds("an order", False, shown="~1, ~2", source="a margin of 2x")):
+        with pytest.raises(claims.ClaimFailed) as missed:
+            measured()
+        assert claims.strict_miss(f"ClaimFailed: {missed.value}")
+    for computed in (lambda: claims.exact("bytes", 1, 2), lambda: claims.holds("an order", False),
+                     lambda: claims.close("a sum", 1.0, 2.0, tolerance=0.1)):
+        with pytest.raises(claims.ClaimFailed) as failed:
+            computed()
+        assert not claims.strict_miss(f"ClaimFailed: {failed.value}")
+    assert not claims.strict_miss("NameError: name 'seconds' is not defined")
+
+
 def test_a_difference_band_reads_in_points_and_both_edges_count(learner, capsys):
     assert claims.measured("bubble near its closed form", 0.373, 0.273, POINTS, unit="%", scale=100, spec=".1f")
     assert "within -0.5 to +10 points of 27.3%" in capsys.readouterr().out
