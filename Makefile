@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Jupyter refuses to run as root (containers, CI) unless told to.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab venv test check nbval bench lint doctor grade clean-venv
+.PHONY: lab venv test check nbval bench lint doctor grade clean-venv tensorboard
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "labkit needs Python 3.10+, found " + sys.version' 
@@ -63,6 +63,10 @@ bench: $(STAMP)  ## every benchmark against PyTorch's built-ins (long; labkit be
 
 lint: $(STAMP)
 	$(BIN)/ruff check labkit tests benchmarks exercises solutions
+
+RUN ?= runs
+tensorboard: $(STAMP)  ## TensorBoard on a --tensorboard folder (RUN=DIR): every rank's curves, overlaid
+	$(BIN)/tensorboard --logdir $(RUN) --host 127.0.0.1 --port 6006
 
 doctor: $(STAMP)
 	$(BIN)/labkit doctor

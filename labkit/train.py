@@ -25,6 +25,15 @@ Chrome/Perfetto trace (chrome://tracing, ui.perfetto.dev) of the last step: ever
 all-reduces, pipeline waits (the bubble) and data-parallel reduction on one timeline; ``--log-dir DIR`` writes
 each rank's own progress to ``DIR/rank-R.log``.
 
+**Monitoring** (:mod:`labkit.monitor`): ``--tensorboard DIR`` writes every rank's loss, learning rate, gradient
+norm, tokens/s, step time, data-wait time, bytes sent and (on a GPU) peak memory to ``DIR/rank-R``, one
+TensorBoard run per rank (``tensorboard --logdir DIR`` draws one curve per rank on each chart).  The divergence
+alarm compares the data-parallel ranks every ``--alarm-every N`` steps (default 1; 0: off) with one all-gather of
+three numbers each, and prints ``labkit.train: ALARM step S: rank R: ...`` when a rank leaves the others: its
+gradient norm or weights not the same (to the bit) as its replicas', its loss beyond the ranks' spread, two ranks
+on the same batches.  ``LABKIT_TRAIN_FAULT=KIND:RANK`` injects one such misconfiguration on purpose
+(:data:`labkit.monitor.FAULTS`: ``seed``, ``lr``, ``shard``, ``data``; ``no-reduce`` on every rank).
+
 Otherwise the ranks are all data-parallel, and the strategy is one of ``labkit.parallel``'s wrappers, chosen once
 from :data:`STRATEGIES` (a name -> constructor table).  After that the loop knows nothing about which wrapper it
 holds: it uses the contract of ``labkit.parallel.base`` only (``forward_backward``, ``make_optimizer``,
@@ -71,7 +80,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +88,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from labkit import checkpoint, data, dist, launch, precision, trace
+from labkit import checkpoint, data, dist, launch, monitor, precision, trace
 from labkit import train_report as report
 from labkit.mesh import Mesh
 from labkit.models import TinyGPT, TinyMLP
@@ -162,16 +171,29 @@ def train(config: TrainConfig) -> dict:
         mesh = Mesh(dp=config.dp, tp=config.tp, pp=config.pp)
     else:
         mesh = Mesh(dp=world) if dist.is_initialized() else None
-    plain, batch, floor, generator = build(config, *((mesh.rank("dp"), mesh.size("dp")) if mesh else (0, 1)))
+    fault = _fault(config)
+    coordinate = (mesh.rank("dp"), mesh.size("dp")) if mesh else (0, 1)
+    plain, batch, floor, generator = build(config, 0 if fault == "shard" else coordinate[0], coordinate[1])
     torch.manual_seed(config.seed)  # the same default generator on every rank (tensor parallelism checks it)
     size = sum(p.numel() for p in plain.parameters())  # before wrapping: FSDP, TP and PP keep a part of each
     model = _wrap(plain.to(device), mesh, config)
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=config.lr)
+    if fault == "seed":  # what a loop without the wrapper's broadcast of rank 0's weights does
+        model.module.load_state_dict(build(replace(config, seed=config.seed + 1))[0].state_dict())
+    elif fault == "lr":
+        for group in optimizer.param_groups:
+            group["lr"] *= 10
+    elif fault == "no-reduce":
+        model.set_requires_gradient_sync(False)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
     scaler = precision.DynamicLossScaler(enabled=config.precision == "fp16")
     start = _resume(config, model, optimizer, generator, scaler)
     replicas = mesh.size("dp") if mesh else 1
     log = _rank_log(config, mesh)
+    replicated = (config.zero if config.three_d else {"zero1": 1, "zero2": 2, "fsdp": 3}.get(config.strategy, 0)) < 3
+    watch = monitor.TrainingMonitor(config.tensorboard, config.alarm_every, mesh.group("dp") if mesh else None,
+                                    replicated)
+    tokens = config.batch_size * (config.gpt_config().block_size if config.model == "tiny-gpt" else 1)
     if dist.is_main():
         layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}, {DP_WRAPPERS[config.zero]} over dp, "
                   f"{config.schedule} with {config.microbatches} micro-batch{'es' if config.microbatches > 1 else ''}"
@@ -186,7 +208,11 @@ def train(config: TrainConfig) -> dict:
     began = time.perf_counter()
     for step in range(start + 1, config.steps + 1):
         _maybe_killed(step)
+        fetched = time.perf_counter()
         inputs, targets = (tensor.to(device) for tensor in batch(step))
+        if fault == "data":
+            targets = targets.roll(1, dims=-1)
+        data_wait = time.perf_counter() - fetched
         traced = config.trace is not None and step == config.steps
         if traced:
             trace.enable(coords=mesh.coords() if mesh else None)
@@ -195,14 +221,23 @@ def train(config: TrainConfig) -> dict:
             loss = model.forward_backward(inputs, targets, loss_scale=scaler.get_scale())
         if scaler.is_enabled():
             scaler.unscale_(optimizer)
-        if config.clip_grad_norm is not None:
-            model.clip_grad_norm_(config.clip_grad_norm)
+        grad_norm = math.nan
+        if config.clip_grad_norm is not None or watch.log is not None or watch.alarm is not None:
+            grad_norm = model.clip_grad_norm_(config.clip_grad_norm or math.inf).item()  # the norm before clipping
         with trace.span("optimizer step", "compute") if traced else contextlib.nullcontext():
             scaler.step(optimizer)
             scaler.update()
         if traced:
             spans = _write_trace(config.trace)
         history.append(loss.item())
+        alarms = watch.record(step, model.module, loss=history[-1], lr=optimizer.param_groups[0]["lr"],
+                              grad_norm=grad_norm, step_s=time.perf_counter() - fetched, data_wait_s=data_wait,
+                              comm_bytes=sum(model.communication_per_step().values()), tokens=tokens)
+        for alarm in alarms:
+            if dist.is_main():
+                print(f"labkit.train: ALARM {alarm.message}", flush=True)
+            if log is not None:
+                log.write(f"ALARM {alarm.message}\n")
         if log is not None:
             log.write(f"step {step} loss {history[-1]:.6f} {1e3 * (time.perf_counter() - began) / len(history):.1f} "
                       "ms/step\n")
@@ -224,11 +259,23 @@ def train(config: TrainConfig) -> dict:
                          if name in dict(plain.named_parameters())))
     if log is not None:
         log.close()
+    watch.close()
     return {"rank": dist.rank(), "losses": history, "ms_per_step": 1e3 * seconds / max(1, len(history)),
             "communication": model.communication_per_step(), "memory": model.memory_breakdown(),
             "checksum": checksum, "coords": mesh.coords() if mesh else {"pp": 0, "dp": 0, "tp": 0},
             "local_rank": dist.local_rank(), "node": int(os.environ.get("GROUP_RANK", "0")),
-            "trace": spans}  # --trace: every rank's spans of the last step, on rank 0
+            "trace": spans,  # --trace: every rank's spans of the last step, on rank 0
+            "alarms": [alarm.message for alarm in watch.alarms]}
+
+
+def _fault(config: TrainConfig) -> str | None:
+    """The misconfiguration ``LABKIT_TRAIN_FAULT`` asks of this rank (:data:`labkit.monitor.FAULTS`; checked with
+    the flags, before any process starts), if any."""
+    found = monitor.fault_from_environment()
+    if found is None:
+        return None
+    kind, rank = found
+    return kind if rank is None or rank == dist.rank() else None
 
 
 def _rank_log(config: TrainConfig, mesh: Mesh | None) -> Any:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from labkit import checkpoint, dist
+from labkit import checkpoint, dist, monitor
 from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
 from labkit.parallel.parallelize import SCHEDULES, check_3d
 
@@ -56,6 +56,8 @@ class TrainConfig:
     precision: str = "fp32"
     trace: str | None = None  # write a Chrome trace of the last step here
     log_dir: str | None = None  # each rank's progress in DIR/rank-R.log
+    tensorboard: str | None = None  # each rank's scalars in DIR/rank-R, a TensorBoard run each (labkit.monitor)
+    alarm_every: int = 1  # the divergence alarm compares the data-parallel ranks every N steps (0: never)
     traceback: bool = False  # a failure prints its full traceback, not one line and a file
 
     @property
@@ -76,7 +78,8 @@ class TrainConfig:
         naming the flag): ``--checkpoint-dir``, ``--log-dir`` and ``--trace``'s folder are directories or can be
         made, and writable; the checkpoint directory's disk holds a checkpoint; ``--resume`` is a finished
         checkpoint of this model that ``world_size`` ranks can load (:func:`labkit.checkpoint.check_compatible`)."""
-        if self.checkpoint_dir is None and self.resume is None and self.log_dir is None and self.trace is None:
+        if (self.checkpoint_dir is None and self.resume is None and self.log_dir is None and self.trace is None
+                and self.tensorboard is None):
             return
         model = self.meta_model()
         shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
@@ -85,6 +88,8 @@ class TrainConfig:
             _check_output_directory("--checkpoint-dir", self.checkpoint_dir, size)
         if self.log_dir is not None:
             _check_output_directory("--log-dir", self.log_dir)
+        if self.tensorboard is not None:
+            _check_output_directory("--tensorboard", self.tensorboard)
         if self.trace is not None:
             if Path(self.trace).is_dir():
                 raise ValueError(f"--trace {self.trace}: a directory; give the trace's file name")
@@ -138,6 +143,10 @@ class TrainConfig:
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"--zero must be one of {ZERO_STAGES} (0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP), got "
                              f"{self.zero!r}")
+        if isinstance(self.alarm_every, bool) or not isinstance(self.alarm_every, int) or self.alarm_every < 0:
+            raise ValueError(f"--alarm-every must be an integer >= 0 (0: no alarm), got {self.alarm_every!r}")
+        if monitor.fault_from_environment() is not None and (self.three_d or self.strategy == "single"):
+            raise ValueError(f"{monitor.FAULT_VARIABLE} needs a data-parallel --strategy (ddp, zero1, zero2, fsdp)")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.bucket_cap_mb < 0:
@@ -202,6 +211,10 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
     parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the last step to this file")
     parser.add_argument("--log-dir", default=None, help="each rank appends its progress to DIR/rank-R.log")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="each rank writes its scalars to DIR/rank-R (tensorboard --logdir DIR overlays them)")
+    parser.add_argument("--alarm-every", type=int, default=1, metavar="N",
+                        help="compare the data-parallel ranks' loss, gradient norm and weights every N steps (0: off)")
     parser.add_argument("--traceback", action="store_true",
                         help="when a rank fails, print its full traceback (default: one line, the traceback in a file)")
     parser.add_argument("--nprocs", type=int, default=None,

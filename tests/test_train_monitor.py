@@ -1,0 +1,84 @@
+"""labkit.train's monitoring: every rank's scalars in TensorBoard, and the divergence alarm silent on healthy runs
+of every strategy and naming the rank (and the step) of each misconfiguration it is shown."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit import monitor, train
+from labkit.launch import launch
+
+
+def trained(monkeypatch, fault: str | None = None, nprocs: int = 4, **settings) -> list[dict]:
+    if fault is None:
+        monkeypatch.delenv(monitor.FAULT_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(monitor.FAULT_VARIABLE, fault)  # the forked ranks inherit it
+    config = train.TrainConfig(**{"strategy": "ddp", "model": "tiny-mlp", "steps": 4, "log_every": 100, **settings})
+    config.validate()
+    return launch(train.train, config, nprocs=nprocs, rank_output="none")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_the_alarm_stays_silent_on_a_healthy_run_of_every_strategy(monkeypatch, strategy):
+    results = trained(monkeypatch, strategy=strategy, steps=48)  # the loss band judges from check 32 on
+    assert [result["alarms"] for result in results] == [[]] * 4
+
+
+def test_the_alarm_stays_silent_on_a_healthy_3d_run(monkeypatch):
+    results = trained(monkeypatch, strategy="single", model="tiny-gpt", dp=2, tp=1, pp=2, steps=3, batch_size=4)
+    assert [result["alarms"] for result in results] == [[]] * 4
+
+
+@pytest.mark.parametrize("fault, strategy, steps, expected", [
+    ("seed:2", "ddp", 2, "step 1: rank 2: parameters differs from the other ranks'"),
+    ("lr:1", "ddp", 2, "step 1: rank 1: parameters differs from the other ranks'"),
+    ("shard:3", "ddp", 3, "step 2: ranks 0 and 3 report the same loss, to the bit, 2 checks running"),
+    ("no-reduce", "ddp", 2, "step 1: the ranks' gradient norm disagree"),
+    ("data:1", "fsdp", 40, ": rank 1: loss departs from the other ranks' mean"),
+])
+def test_the_alarm_names_the_rank_and_the_step_of_each_misconfiguration(monkeypatch, fault, strategy, steps,
+                                                                         expected):
+    results = trained(monkeypatch, fault, strategy=strategy, steps=steps)
+    alarms = results[0]["alarms"]
+    assert alarms and expected in alarms[0], alarms
+    assert all(result["alarms"] == alarms for result in results)  # every rank knows
+
+
+def test_every_ranks_scalars_reach_tensorboard_and_the_alarm_prints_on_rank_zero(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(monitor.FAULT_VARIABLE, "seed:1")
+    assert train.main(["--strategy", "ddp", "--nprocs", "2", "--model", "tiny-mlp", "--steps", "5",
+                       "--log-every", "5", "--tensorboard", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("labkit.train: ALARM step 1: the ranks' parameters disagree") == 1, out
+    scalars = monitor.read_scalars(tmp_path)
+    assert sorted(scalars) == [0, 1]
+    for rank in (0, 1):
+        assert set(scalars[rank]) == {*monitor.TAGS, "alarm/parameters"} - {"peak_memory_bytes"}  # CPU: no peak
+        for tag in monitor.TAGS[:-1]:
+            assert [step for step, _ in scalars[rank][tag]] == [1, 2, 3, 4, 5], tag
+        assert all(value > 0 for _, value in scalars[rank]["comm_bytes"])
+    assert scalars[0]["loss"] != scalars[1]["loss"]  # two replicas apart: two curves
+
+
+@pytest.mark.parametrize("flags, fault, message", [
+    (["--alarm-every", "-1"], None, "--alarm-every must be an integer >= 0"),
+    ([], "bogus:1", "LABKIT_TRAIN_FAULT='bogus:1': the kind must be one of"),
+    ([], "seed", "give the rank, as seed:RANK"),
+    ([], "no-reduce:1", "no-reduce applies to every rank"),
+    (["--strategy", "single"], "seed:0", "needs a data-parallel --strategy"),
+])
+def test_bad_monitoring_settings_exit_with_a_message_before_any_process_starts(monkeypatch, capsys, flags, fault,
+                                                                                message):
+    if fault is not None:
+        monkeypatch.setenv(monitor.FAULT_VARIABLE, fault)
+    argv = ["--strategy", "ddp", "--model", "tiny-mlp", "--steps", "2", *flags]
+    assert train.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tensorboard_into_a_file_is_refused_naming_the_flag(tmp_path, capsys):
+    target = tmp_path / "a-file"
+    target.write_text("")
+    assert train.main(["--model", "tiny-mlp", "--steps", "2", "--tensorboard", str(target)]) == 2
+    assert "--tensorboard" in capsys.readouterr().err
