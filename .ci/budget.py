@@ -28,8 +28,9 @@ from pathlib import Path
 BUDGETS = {
     "venv": 200,      # python -m venv + pip install -e .[dev] (torch from the local wheel): 163 s here, 180 s in CI
     "unit": 1020,     # pytest -m "not timing" over 2 workers: 834-1011 s
-    "browser": 660,   # pytest -m timing, alone: JupyterLab Run All of every notebook (portable kernels): 544-644 s
-    "nbval": 480,     # every notebook under nbval, this CPU's kernels: 368 s in CI
+    "browser": 735,   # pytest -m timing, alone: JupyterLab Run All of every notebook (portable kernels): 544-644 s,
+    #                   + 45 s for lesson 12 and 30 s for the TensorBoard page (issue 28)
+    "nbval": 515,     # every notebook under nbval, this CPU's kernels: 368 s in CI, + 35 s for lesson 12
 }
 TARGETS = {"venv": 150, "unit": 330, "browser": 300, "nbval": 270}
 MARGIN = 0.10

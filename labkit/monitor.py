@@ -160,7 +160,7 @@ class DivergenceAlarm:
         """The alarms of one check, given every rank's numbers (NaN fingerprints: not compared)."""
         alarms = [*self._exact("grad_norm", step, ranks, grad_norms, "gradient norm",
                                "a rank that did not take part in the gradient reduction"),
-                  *self._exact("parameters", step, ranks, fingerprints, "parameters",
+                  *self._exact("parameters", step, ranks, fingerprints, "parameter fingerprint",
                                "a replica apart: another initialisation, learning rate or a missed reduction")]
         alarms += self._same_batches(step, ranks, losses)
         alarms += self._loss_band(step, ranks, losses)
@@ -179,7 +179,7 @@ class DivergenceAlarm:
         common, held_by = collections.Counter(values).most_common(1)[0]
         shown = ", ".join(f"rank {rank} {value!r}" for rank, value in zip(ranks, values, strict=True))
         if 2 * held_by <= len(values):  # no majority (two ranks, say): which one left cannot be told
-            return self._raise(kind, step, tuple(ranks), f"the ranks' {what} disagree ({shown}); {why}")
+            return self._raise(kind, step, tuple(ranks), f"the ranks disagree on the {what} ({shown}); {why}")
         odd = tuple(rank for rank, value in zip(ranks, values, strict=True) if value != common)
         names = ", ".join(f"rank {rank}" for rank in odd)
         return self._raise(kind, step, odd, f"{names}: {what} differs from the other ranks' ({shown}); {why}")
@@ -198,6 +198,19 @@ class DivergenceAlarm:
                                           "read the same batches (the same shard, or a sampler without its rank)")
         return alarms
 
+    def loss_band(self) -> tuple[float, float] | None:
+        """``(sigma, limit)``: the noise of one check's deviation and the band a rank's mean deviation over the last
+        ``window`` checks may not leave; ``None`` while too few checks are kept (or the deviations never change)."""
+        if len(self.deviations) < max(self.window, self.history // 2):  # too few checks to know the noise by
+            return None
+        rows = list(self.deviations)
+        squares = [(now - before) ** 2 for previous, current in itertools.pairwise(rows)
+                   for before, now in zip(previous, current, strict=True)]
+        sigma = math.sqrt(statistics.fmean(squares) / 2)
+        if sigma == 0:  # nothing to measure a spread by
+            return None
+        return sigma, self.z * sigma / math.sqrt(self.window)
+
     def _loss_band(self, step: int, ranks: list[int], losses: list[float]) -> list[Alarm]:
         broken = tuple(rank for rank, loss in zip(ranks, losses, strict=True) if not math.isfinite(loss))
         if broken:
@@ -208,15 +221,11 @@ class DivergenceAlarm:
             return []
         total = sum(losses)
         self.deviations.append([loss - (total - loss) / (len(losses) - 1) for loss in losses])  # minus the others' mean
-        if len(self.deviations) < max(self.window, self.history // 2):  # too few checks to know the noise by
+        band = self.loss_band()
+        if band is None:
             return []
+        sigma, limit = band
         rows = list(self.deviations)
-        squares = [(now - before) ** 2 for previous, current in itertools.pairwise(rows)
-                   for before, now in zip(previous, current, strict=True)]
-        sigma = math.sqrt(statistics.fmean(squares) / 2)
-        if sigma == 0:  # the deviations never change: nothing to measure a spread by
-            return []
-        limit = self.z * sigma / math.sqrt(self.window)
         means = [statistics.fmean(row[index] for row in rows[-self.window:]) for index in range(len(ranks))]
         furthest = max(range(len(ranks)), key=lambda index: abs(means[index]))
         if abs(means[furthest]) <= limit:
@@ -249,6 +258,11 @@ class TrainingMonitor:
         self.replicated = replicated
         self.alarms: list[Alarm] = []
 
+    def checks(self, step: int) -> bool:
+        """Whether the alarm compares the ranks at ``step`` (the trainer computes the gradient norm only then, or
+        when it logs or clips)."""
+        return self.alarm is not None and step % self.alarm.every == 0
+
     def record(self, step: int, module: nn.Module, *, loss: float, lr: float, grad_norm: float, step_s: float,
                data_wait_s: float, comm_bytes: int, tokens: int) -> list[Alarm]:
         """Write step ``step``'s scalars and run the alarm (collective over the group on the steps it checks);
@@ -279,7 +293,7 @@ FAULTS = {
     "seed": "this rank's replica re-initialised from another seed after the wrapper's broadcast",
     "lr": "this rank's optimizer with ten times the learning rate",
     "shard": "this rank draws data-parallel rank 0's batches (a sampler that ignores its rank)",
-    "data": "this rank's targets shifted by one token (a data bug on one rank)",
+    "data": "this rank's targets rolled by one position in each batch (a data bug on one rank)",
     "no-reduce": "no rank reduces its gradients (a data-parallel group that skips its all-reduce)",
 }
 

@@ -85,10 +85,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
 
-from labkit import checkpoint, data, dist, launch, monitor, precision, trace
+from labkit import checkpoint, data, dist, launch, loader, monitor, precision, trace
 from labkit import train_report as report
 from labkit.mesh import Mesh
 from labkit.models import TinyGPT, TinyMLP
@@ -102,7 +101,6 @@ from labkit.train_config import (
     MODELS,
     PRECISIONS,
     STRATEGY_NAMES,
-    MiB,
     TrainConfig,
     parse_arguments,
 )
@@ -127,26 +125,32 @@ def build(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1
           ) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], float | None, torch.Generator]:
     """The plain model, a function ``step -> (inputs, targets)`` drawing this data-parallel rank's batch, the loss
     floor, and the sampler's generator (its state is the sampler's position).  Ranks with the same data-parallel
-    coordinate draw the same batches."""
+    coordinate draw the same batches.  With ``--workers`` or ``--data-ms``, the batches come through a
+    ``DataLoader`` (:class:`labkit.loader.StepLoader`): step ``s``'s batch depends on ``s`` alone, so a resume
+    needs no sampler state."""
     generator = data.data_parallel_generator(config.seed, dp_rank, dp_size)
     if config.model == "tiny-gpt":
         model_config = config.gpt_config()
-        model = TinyGPT(model_config, seed=config.seed)
-        chain = data.MarkovChain(seed=config.seed)
-        tokens = chain.sample(200_000, seed=config.seed)
+        model, chain = TinyGPT(model_config, seed=config.seed), data.MarkovChain(seed=config.seed)
+        tokens, floor = chain.sample(200_000, seed=config.seed), chain.entropy_rate()
+        source = loader.RandomCrops(tokens, model_config.block_size)
 
         def batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
             return data.batches(tokens, config.batch_size, model_config.block_size, generator)
+    else:
+        samples = data.make_classification(4096, MLP_CONFIG.in_features, MLP_CONFIG.num_classes, seed=config.seed)
+        model, floor, source = TinyMLP(MLP_CONFIG, seed=config.seed), None, loader.JitteredSamples(*samples.tensors)
 
-        return model, batch, chain.entropy_rate(), generator
-    samples = data.make_classification(4096, MLP_CONFIG.in_features, MLP_CONFIG.num_classes, seed=config.seed)
-    model = TinyMLP(MLP_CONFIG, seed=config.seed)
-
-    def batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.randint(len(samples), (config.batch_size,), generator=generator)
-        return samples.tensors[0][index], samples.tensors[1][index]
-
-    return model, batch, None, generator
+        def batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            index = torch.randint(len(samples), (config.batch_size,), generator=generator)
+            return samples.tensors[0][index], samples.tensors[1][index]
+    if config.input_pipeline:  # --workers / --data-ms: a DataLoader over samples that cost time (labkit.loader)
+        dataset = loader.CostlyDataset(source, loader.work_units(config.data_ms / 1e3), config.seed, dp_rank)
+        batch = loader.StepLoader(dataset, config.batch_size, dp_rank, dp_size, seed=config.seed,
+                                  num_workers=config.workers or 0, prefetch_factor=config.prefetch_factor,
+                                  persistent_workers=config.persistent_workers,
+                                  pin_memory=dist.device().type == "cuda")
+    return model, batch, floor, generator
 
 
 def _wrap(plain: nn.Module, mesh: Mesh | None, config: TrainConfig) -> ParallelWrapper:
@@ -209,7 +213,7 @@ def train(config: TrainConfig) -> dict:
     for step in range(start + 1, config.steps + 1):
         _maybe_killed(step)
         fetched = time.perf_counter()
-        inputs, targets = (tensor.to(device) for tensor in batch(step))
+        inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch(step))  # overlaps if pinned
         if fault == "data":
             targets = targets.roll(1, dims=-1)
         data_wait = time.perf_counter() - fetched
@@ -222,7 +226,7 @@ def train(config: TrainConfig) -> dict:
         if scaler.is_enabled():
             scaler.unscale_(optimizer)
         grad_norm = math.nan
-        if config.clip_grad_norm is not None or watch.log is not None or watch.alarm is not None:
+        if config.clip_grad_norm is not None or watch.log is not None or watch.checks(step):
             grad_norm = model.clip_grad_norm_(config.clip_grad_norm or math.inf).item()  # the norm before clipping
         with trace.span("optimizer step", "compute") if traced else contextlib.nullcontext():
             scaler.step(optimizer)
@@ -243,8 +247,8 @@ def train(config: TrainConfig) -> dict:
                       "ms/step\n")
             log.flush()
         if step % config.log_every == 0 or step == config.steps:
-            _log(step, start, config, loss.detach(), floor, time.perf_counter() - began,
-                 model.communication_per_step())
+            report.log_progress(step, start, config, loss.detach(), floor, time.perf_counter() - began,
+                                model.communication_per_step())
         if config.checkpoint_dir and (step == config.steps or (config.save_every and step % config.save_every == 0)):
             saved = checkpoint.save(checkpoint.step_directory(config.checkpoint_dir, step), model, optimizer, step,
                                     generators={"data": generator}, extra={"config": asdict(config)},
@@ -260,6 +264,8 @@ def train(config: TrainConfig) -> dict:
     if log is not None:
         log.close()
     watch.close()
+    if isinstance(batch, loader.StepLoader):
+        batch.close()
     return {"rank": dist.rank(), "losses": history, "ms_per_step": 1e3 * seconds / max(1, len(history)),
             "communication": model.communication_per_step(), "memory": model.memory_breakdown(),
             "checksum": checksum, "coords": mesh.coords() if mesh else {"pp": 0, "dp": 0, "tp": 0},
@@ -301,42 +307,6 @@ def _write_trace(path: str) -> list[trace.Span] | None:
         print(f"trace of the last step ({len(spans)} spans, every rank) written to {written}: open it in "
               "ui.perfetto.dev or chrome://tracing", flush=True)
     return spans
-
-
-def _log(step: int, start: int, config: TrainConfig, loss: torch.Tensor, floor: float | None, elapsed: float,
-         communication: dict[str, int]) -> None:
-    """Gather every rank's loss to rank 0 and print one progress line there (``elapsed``: seconds since the
-    run, or its resume at step ``start``, began)."""
-    if dist.is_initialized():
-        losses = [torch.zeros_like(loss) for _ in range(dist.world_size())]
-        torch_dist.all_gather(losses, loss)
-    else:
-        losses = [loss]
-    if dist.is_main():
-        print(progress_line(step, start, config.steps, [value.item() for value in losses], floor, elapsed,
-                            communication), flush=True)
-
-
-def progress_line(step: int, start: int, steps: int, losses: list[float], floor: float | None, elapsed: float,
-                  communication: dict[str, int]) -> str:
-    """The progress line of ``step`` (of ``steps``; this run began, or resumed, at ``start``): the mean of the
-    ranks' ``losses`` and its distance to the loss ``floor``, each rank's loss, the bytes sent per step, and the
-    time per step since the start (``elapsed`` seconds over ``step - start`` steps)."""
-    done = step / steps
-    bar = "#" * round(20 * done) + "." * (20 - round(20 * done))
-    mean = sum(losses) / len(losses)
-    gap = ""
-    if floor is not None:
-        # The floor is the loss's expectation under the best model; one batch's loss scatters around its own
-        # expectation, so a batch can land below it: noise, not a model better than the best.
-        gap = (f", {mean - floor:+.3f} above the floor" if mean >= floor
-               else f", {floor - mean:.3f} below the floor (one batch's noise)")
-    per_rank = " ".join(f"{value:.3f}" for value in losses) if len(losses) > 1 else ""
-    sent = ", ".join(f"{kind} {nbytes / MiB:.2f}" for kind, nbytes in sorted(communication.items()))
-    return (f"[{bar}] step {step:>5}/{steps} loss {mean:.4f}{gap}"
-            + (f" | per rank: {per_rank}" if per_rank else "")
-            + (f" | MiB/step: {sent}" if sent else "")
-            + f" | {1e3 * elapsed / max(1, step - start):.1f} ms/step")
 
 
 def _resume(config: TrainConfig, model: ParallelWrapper, optimizer: torch.optim.Optimizer,

@@ -58,7 +58,16 @@ class TrainConfig:
     log_dir: str | None = None  # each rank's progress in DIR/rank-R.log
     tensorboard: str | None = None  # each rank's scalars in DIR/rank-R, a TensorBoard run each (labkit.monitor)
     alarm_every: int = 1  # the divergence alarm compares the data-parallel ranks every N steps (0: never)
+    workers: int | None = None  # the input pipeline (labkit.loader): a DataLoader with this many worker processes
+    data_ms: float = 0.0  # CPU time to make each sample (decoding, simulated), in milliseconds
+    prefetch_factor: int = 2  # batches each worker may make ahead
+    persistent_workers: bool = False  # keep the workers from one epoch to the next
     traceback: bool = False  # a failure prints its full traceback, not one line and a file
+
+    @property
+    def input_pipeline(self) -> bool:
+        """Batches come through a ``DataLoader`` (``--workers`` or ``--data-ms`` given)."""
+        return self.workers is not None or self.data_ms > 0
 
     @property
     def three_d(self) -> bool:
@@ -145,6 +154,16 @@ class TrainConfig:
                              f"{self.zero!r}")
         if isinstance(self.alarm_every, bool) or not isinstance(self.alarm_every, int) or self.alarm_every < 0:
             raise ValueError(f"--alarm-every must be an integer >= 0 (0: no alarm), got {self.alarm_every!r}")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 0):
+            raise ValueError(f"--workers must be an integer >= 0, got {self.workers!r}")
+        if not (isinstance(self.data_ms, int | float) and not isinstance(self.data_ms, bool) and self.data_ms >= 0):
+            raise ValueError(f"--data-ms must be a number >= 0, got {self.data_ms!r}")
+        if isinstance(self.prefetch_factor, bool) or not isinstance(self.prefetch_factor, int) or self.prefetch_factor < 1:
+            raise ValueError(f"--prefetch-factor must be an integer >= 1, got {self.prefetch_factor!r}")
+        if not self.workers and (self.prefetch_factor != 2 or self.persistent_workers):
+            raise ValueError("--prefetch-factor and --persistent-workers need worker processes: give --workers N, "
+                             "N >= 1")
         if monitor.fault_from_environment() is not None and (self.three_d or self.strategy == "single"):
             raise ValueError(f"{monitor.FAULT_VARIABLE} needs a data-parallel --strategy (ddp, zero1, zero2, fsdp)")
         if not self.lr > 0:
@@ -215,6 +234,13 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
                         help="each rank writes its scalars to DIR/rank-R (tensorboard --logdir DIR overlays them)")
     parser.add_argument("--alarm-every", type=int, default=1, metavar="N",
                         help="compare the data-parallel ranks' loss, gradient norm and weights every N steps (0: off)")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="read batches through a DataLoader with N worker processes (0: in the training process)")
+    parser.add_argument("--data-ms", type=float, default=0.0, metavar="MS",
+                        help="CPU time to make each sample (decoding, simulated), in ms; implies a DataLoader")
+    parser.add_argument("--prefetch-factor", type=int, default=2, help="with --workers: batches each worker makes ahead")
+    parser.add_argument("--persistent-workers", action="store_true",
+                        help="with --workers: keep the worker processes from one epoch to the next")
     parser.add_argument("--traceback", action="store_true",
                         help="when a rank fails, print its full traceback (default: one line, the traceback in a file)")
     parser.add_argument("--nprocs", type=int, default=None,

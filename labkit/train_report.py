@@ -1,4 +1,4 @@
-"""How ``python -m labkit.train`` reports what went wrong: a failure as one line naming the rank and the error (its
+"""How ``python -m labkit.train`` reports its progress (one line on rank 0 with every rank's loss) and what went wrong: a failure as one line naming the rank and the error (its
 traceback kept in a file, or printed with ``--traceback``) and the checkpoint to resume from; a stop by a signal;
 what a save killed mid-write left behind, removed.  The trainer is :mod:`labkit.train`."""
 
@@ -11,6 +11,9 @@ import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as torch_dist
 
 from labkit import checkpoint, dist, launch
 from labkit.train_config import MiB, TrainConfig
@@ -85,3 +88,39 @@ def failure(config: TrainConfig, error: Exception) -> str:
     except OSError:
         where = "--traceback prints its traceback"
     return f"{line} ({others}{where}){resume}"
+
+
+def log_progress(step: int, start: int, config: TrainConfig, loss: torch.Tensor, floor: float | None, elapsed: float,
+         communication: dict[str, int]) -> None:
+    """Gather every rank's loss to rank 0 and print one progress line there (``elapsed``: seconds since the
+    run, or its resume at step ``start``, began)."""
+    if dist.is_initialized():
+        losses = [torch.zeros_like(loss) for _ in range(dist.world_size())]
+        torch_dist.all_gather(losses, loss)
+    else:
+        losses = [loss]
+    if dist.is_main():
+        print(progress_line(step, start, config.steps, [value.item() for value in losses], floor, elapsed,
+                            communication), flush=True)
+
+
+def progress_line(step: int, start: int, steps: int, losses: list[float], floor: float | None, elapsed: float,
+                  communication: dict[str, int]) -> str:
+    """The progress line of ``step`` (of ``steps``; this run began, or resumed, at ``start``): the mean of the
+    ranks' ``losses`` and its distance to the loss ``floor``, each rank's loss, the bytes sent per step, and the
+    time per step since the start (``elapsed`` seconds over ``step - start`` steps)."""
+    done = step / steps
+    bar = "#" * round(20 * done) + "." * (20 - round(20 * done))
+    mean = sum(losses) / len(losses)
+    gap = ""
+    if floor is not None:
+        # The floor is the loss's expectation under the best model; one batch's loss scatters around its own
+        # expectation, so a batch can land below it: noise, not a model better than the best.
+        gap = (f", {mean - floor:+.3f} above the floor" if mean >= floor
+               else f", {floor - mean:.3f} below the floor (one batch's noise)")
+    per_rank = " ".join(f"{value:.3f}" for value in losses) if len(losses) > 1 else ""
+    sent = ", ".join(f"{kind} {nbytes / MiB:.2f}" for kind, nbytes in sorted(communication.items()))
+    return (f"[{bar}] step {step:>5}/{steps} loss {mean:.4f}{gap}"
+            + (f" | per rank: {per_rank}" if per_rank else "")
+            + (f" | MiB/step: {sent}" if sent else "")
+            + f" | {1e3 * elapsed / max(1, step - start):.1f} ms/step")

@@ -50,7 +50,7 @@ EXPECTED_CONTROLS = {"00_setup": 5, "01_collectives": 5, "02_data_parallel": 5, 
                      "04_mixed_precision_and_memory": 2, "05_zero_and_fsdp": 8,
                      "06_tensor_parallel": 7, "07_pipeline_parallel": 7,
                      "08_async_parameter_server": 8, "09_pitfalls_and_checkpointing": 7, "10_3d_parallelism": 8,
-                     "11_planning_a_training_run": 5}
+                     "11_planning_a_training_run": 5, "12_monitoring_and_input_pipeline": 4}
 # The kernels run PyTorch's portable kernels, with oneDNN held to AVX2 (a CPU without the wide vector units has
 # no AMX either; torch 2.14's bf16 attention otherwise packs for AMX, then refuses): nbval in `make test` checks
 # the stored outputs with this CPU's own kernels, Run All here with the kernels any CPU has.
@@ -616,3 +616,41 @@ def test_the_browser_checks_catch_what_a_learner_would_see_broken(lab, page):
         assert expected in found, f"the checks missed {expected!r}; they found:\n{found}"
     assert "cell 3 (" not in found, found  # the kernels run PyTorch's portable kernels, as the cell stores
     assert len(moved) == 3
+
+
+TENSORBOARD_S = 120  # TensorBoard's start and its first page on two busy cores
+
+
+def test_tensorboard_overlays_every_ranks_run_of_a_short_training(browser_page, lab, tmp_path):
+    """``labkit.train --tensorboard DIR`` on 2 ranks, then TensorBoard itself on DIR: its data API lists both
+    ranks' runs, and its time-series page, in the browser, shows both runs and the loss chart (screenshot kept)."""
+    from labkit import train
+
+    runs = tmp_path / "runs"
+    assert train.main(["--strategy", "ddp", "--nprocs", "2", "--model", "tiny-mlp", "--steps", "5", "--log-every", "5",
+                       "--tensorboard", str(runs)]) == 0
+    port = free_port()
+    log = (lab.artifacts / "tensorboard.log").open("w")
+    server = subprocess.Popen([str(Path(sys.executable).parent / "tensorboard"), "--logdir", str(runs), "--host",
+                               "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL)
+    try:
+        deadline, listed = time.monotonic() + TENSORBOARD_S, None
+        while listed is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/runs", timeout=10) as response:
+                    listed = json.loads(response.read())
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, f"TensorBoard did not start: {log.name}"
+                time.sleep(0.5)
+        assert sorted(listed) == ["rank-0", "rank-1"]
+        browser_page.goto(f"http://127.0.0.1:{port}/#timeseries")
+        browser_page.wait_for_function("['rank-0', 'rank-1', '/loss', '/data_wait_ms'].every("
+                                       "text => document.body.innerText.includes(text))", timeout=TENSORBOARD_S * 1000)
+        shot = lab.artifacts / "tensorboard-timeseries.png"
+        browser_page.screenshot(path=str(shot))
+        print(f"TensorBoard's page with both ranks' runs: {shot}")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from labkit import checkpoint, checkpoint_files, cli, train
+from labkit import train_report as report
 from tests.conftest import REPO
 
 TRAIN = [sys.executable, "-m", "labkit.train"]
@@ -48,14 +49,14 @@ def test_progress_after_a_resume_times_only_the_steps_it_ran(tmp_path, capsys):
     # Two timings of 3 steps a few ms long each, taken around different work, beside other tests: a wide band,
     # which the bug (1/11) still leaves.  The division itself is checked exactly on the next lines.
     assert 0.2 < progress / final < 5, out
-    line = train.progress_line(220, 200, 400, [2.0], None, 1.0, {})
+    line = report.progress_line(220, 200, 400, [2.0], None, 1.0, {})
     assert "step   220/400" in line and line.endswith("| 50.0 ms/step")  # 1 s over 20 steps
 
 
 def test_a_loss_below_the_floor_is_called_noise_not_a_negative_distance_above_it():
-    below = train.progress_line(10, 0, 20, [1.245, 1.245], 1.249, 1.0, {})
+    below = report.progress_line(10, 0, 20, [1.245, 1.245], 1.249, 1.0, {})
     assert "0.004 below the floor (one batch's noise)" in below and "-0.004" not in below
-    assert "+0.051 above the floor" in train.progress_line(10, 0, 20, [1.3], 1.249, 1.0, {})
+    assert "+0.051 above the floor" in report.progress_line(10, 0, 20, [1.3], 1.249, 1.0, {})
 
 
 @pytest.mark.parametrize("flags", [["--strategy", "fsdp"], ["--strategy", "zero2"], ["--tp", "2"]])

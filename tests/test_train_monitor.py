@@ -31,10 +31,10 @@ def test_the_alarm_stays_silent_on_a_healthy_3d_run(monkeypatch):
 
 
 @pytest.mark.parametrize("fault, strategy, steps, expected", [
-    ("seed:2", "ddp", 2, "step 1: rank 2: parameters differs from the other ranks'"),
-    ("lr:1", "ddp", 2, "step 1: rank 1: parameters differs from the other ranks'"),
+    ("seed:2", "ddp", 2, "step 1: rank 2: parameter fingerprint differs from the other ranks'"),
+    ("lr:1", "ddp", 2, "step 1: rank 1: parameter fingerprint differs from the other ranks'"),
     ("shard:3", "ddp", 3, "step 2: ranks 0 and 3 report the same loss, to the bit, 2 checks running"),
-    ("no-reduce", "ddp", 2, "step 1: the ranks' gradient norm disagree"),
+    ("no-reduce", "ddp", 2, "step 1: the ranks disagree on the gradient norm"),
     ("data:1", "fsdp", 40, ": rank 1: loss departs from the other ranks' mean"),
 ])
 def test_the_alarm_names_the_rank_and_the_step_of_each_misconfiguration(monkeypatch, fault, strategy, steps,
@@ -50,7 +50,7 @@ def test_every_ranks_scalars_reach_tensorboard_and_the_alarm_prints_on_rank_zero
     assert train.main(["--strategy", "ddp", "--nprocs", "2", "--model", "tiny-mlp", "--steps", "5",
                        "--log-every", "5", "--tensorboard", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.count("labkit.train: ALARM step 1: the ranks' parameters disagree") == 1, out
+    assert out.count("labkit.train: ALARM step 1: the ranks disagree on the parameter fingerprint") == 1, out
     scalars = monitor.read_scalars(tmp_path)
     assert sorted(scalars) == [0, 1]
     for rank in (0, 1):

@@ -71,6 +71,8 @@ LABKIT_IMPLEMENTATIONS = (
     "labkit.costmodel.timeline",  # 11: the step model's placement of a schedule (place, pipeline)
     "labkit.costmodel.planner",  # 11: the planner, which ranks layouts by predict_step
     "labkit.costmodel.simulator",  # 11: the same step simulated event by event (its parts, the bubble included)
+    "labkit.loader.sample_seed",  # 12: the seed of one sample's augmentation
+    "labkit.loader._splitmix64",  # 12: the mixing function it is built from
 )
 
 # Collective functions and methods, by name: torch.distributed's all_reduce, all_gather_into_tensor,

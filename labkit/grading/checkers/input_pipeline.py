@@ -1,0 +1,247 @@
+"""Checks for exercise 12 (``12_input_pipeline.py``): sample_seed, the seed of one sample's augmentation.
+
+Four checks, building up:
+
+1. a seed: an ``int`` (any integral type) in ``[0, 2**63)``, the same when asked twice, for small keys and for keys
+   up to ``2**62``, and one that ``torch.Generator().manual_seed`` takes;
+2. distinct: no two of 700,000 keys share a seed: 400,000 of a run (8 ranks x 10 epochs x 5,000 indices), values
+   just around powers of 2 and 10 and common primes (a number that spills into its neighbour's place: fixed bit
+   fields, a polynomial in a base), numbers whose digits read two ways once written out ("1" + "23" and "12" +
+   "3"), values from 2**61 - 1 up (Python's ``hash`` of an int works modulo 2**61 - 1; odd powers wrap at 2**61),
+   swapped values, and 300,000 keys at random over the whole range, where a 32-bit hash (CRC-32, Adler-32) has
+   about 10 collisions by the birthday bound (n^2 / 2^33) and a 63-bit one a chance of 5e-9.  A sum or an xor
+   collides on keys whose coordinates trade places; a key that leaves out the rank or the epoch collides across
+   them;
+3. the same in every process: in ``DataLoader`` workers, and in two fresh interpreters with other ``hash`` salts
+   (``PYTHONHASHSEED``), as in the training process;
+4. what it is for: a data set that augments each sample with a generator seeded by the student's function, read by
+   three ranks over two epochs through real ``DataLoader`` workers: no two of the draws are alike (ranks, epochs,
+   samples), 0 and 3 workers draw the same, and a loader resumed mid-epoch replays the rest.
+
+While the checks run, :mod:`labkit.grading.guard` switches off labkit's own ``labkit.loader.sample_seed`` and
+its mixing function, and each check refuses a fresh copy of ``labkit/loader.py`` loaded under another name.  Left
+unchecked: a seed that mixes in the date (the same all day, another tomorrow).
+
+A seed is 63 bits here, but torch's CPU generator (Mersenne Twister) keeps only its low 32: distinct seeds give at
+most 2**32 distinct streams, so among n samples about n^2 / 2^33 pairs draw the same augmentation by chance (18 in
+400,000), harmless noise, unlike the lock-step of every rank or epoch that the checks exist for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import numbers
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from labkit.grading import CheckFailed, guard
+
+TOP = 2**63
+LARGEST_INPUT = 2**62
+
+
+def _seed(module, key: tuple[int, int, int, int], in_range: bool = False) -> int:
+    """The student's seed of ``key`` as an int (``in_range``: checked to lie in ``[0, 2**63)``, check 1's job)."""
+    call = f"sample_seed{key}"
+    value = module.sample_seed(*key)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise CheckFailed(f"{call} returned {value!r} ({type(value).__name__}); expected an int")
+    value = int(value)
+    if in_range and not 0 <= value < TOP:
+        raise CheckFailed(f"{call} returned {value}, outside [0, 2**63): torch.Generator().manual_seed takes 63 "
+                          "bits (a hash can be negative; a product of the inputs can outgrow 64 bits)")
+    return value
+
+
+SAMPLE_KEYS = [(0, 0, 0, 0), (0, 1, 0, 0), (7, 3, 2, 11), (LARGEST_INPUT, LARGEST_INPUT, LARGEST_INPUT, LARGEST_INPUT),
+               (1, 2**40, 3, 2**33), (2**62 - 1, 0, 0, 2**62 - 1)]
+
+
+@guard.no_shortcuts
+def check_a_seed(module) -> None:
+    """sample_seed returns an int in [0, 2**63), the same each time, for small and large keys"""
+    _refuse_copies_of_labkit()
+    for key in SAMPLE_KEYS:
+        first, second = _seed(module, key, in_range=True), _seed(module, key)
+        if first != second:
+            raise CheckFailed(f"sample_seed{key} returned {first}, then {second}: a seed must not be random itself")
+        torch.Generator().manual_seed(first)
+    _refuse_copies_of_labkit()
+
+
+BIG = (2**61 - 1, 2**61, 2**62 - 1, 2**62)  # Python's int hash works modulo 2**61 - 1; powers wrap at 2**61
+SHIFTS = sorted({base + offset for base in [10**k for k in range(3, 13)] + [2**k for k in range(8, 62, 4)]
+                 + [2**31 - 1, 10**6 + 3, 10**9 + 7] for offset in range(-1, 3)})
+TEXT_TRAPS = (1, 2, 3, 4, 12, 23, 34, 123, 234)  # "1" + "23" reads as "12" + "3" once the numbers are written out
+RANDOM_KEYS = 300_000
+
+
+def _grid() -> list[tuple[int, int, int, int]]:
+    """400,000 keys of a run (8 ranks, 10 epochs, 5,000 indices), values around common bases and powers (a number
+    that spills into its neighbour's place), keys written with digits that read two ways, large and swapped values,
+    and 300,000 keys drawn at random over the whole range (a 32-bit answer collides there by the birthday bound:
+    about 10 pairs; a 63-bit one, with a chance of 5e-9)."""
+    keys = [(0, rank, epoch, index) for rank in range(8) for epoch in range(10) for index in range(5000)]
+    keys += [(seed, rank, epoch, shift) for seed in (0, 1) for rank in (0, 1) for epoch in (0, 1) for shift in SHIFTS]
+    keys += [(seed, rank, shift, 0) for seed in (0, 1) for rank in (0, 1) for shift in SHIFTS]
+    keys += [(0, rank, epoch, index) for rank in TEXT_TRAPS for epoch in TEXT_TRAPS for index in TEXT_TRAPS]
+    keys += [tuple(value if place == where else 0 for place in range(4)) for where in range(4) for value in BIG]
+    keys += [(seed, rank, epoch, index) for seed, rank, epoch, index in itertools.permutations((0, 1, 2, 2**32))]
+    keys += SAMPLE_KEYS
+    draw = random.Random(12)
+    keys += [tuple(draw.randrange(LARGEST_INPUT + 1) for _ in range(4)) for _ in range(RANDOM_KEYS)]
+    return sorted(set(keys))
+
+
+def _collision_hint(first: tuple[int, ...], second: tuple[int, ...]) -> str:
+    names = ("seed", "dp_rank", "epoch", "index")
+    differ = [name for name, a, b in zip(names, first, second, strict=True) if a != b]
+    if len(differ) == 1:
+        return (f" — the keys differ only in {differ[0]}: your seed does not tell these two values apart (is it "
+                "left out, or are only some of its bits kept?)")
+    if sum(first) == sum(second):
+        return (" — the keys have the same sum: adding the numbers (or anything that lets a rank trade with an index) "
+                "maps many keys to one seed; mix each number in so that no two keys combine alike")
+    return " — two different samples would draw the same augmentation"
+
+
+@guard.no_shortcuts
+def check_distinct(module) -> None:
+    """no two of 700,000 keys share a seed (a run's ranks, epochs, indices; large, shifted and random values)"""
+    seen: dict[int, tuple[int, int, int, int]] = {}
+    for key in _grid():
+        value = _seed(module, key)
+        if value in seen:
+            other = seen[value]
+            raise CheckFailed(f"sample_seed{other} and sample_seed{key} both returned {value}"
+                              f"{_collision_hint(other, key)}")
+        seen[value] = key
+    _refuse_copies_of_labkit()
+
+
+class _Seeds(Dataset):
+    """Item ``i``: the student's seed of key ``KEYS[i]``, computed wherever the DataLoader runs it."""
+
+    def __init__(self, module, keys: list[tuple[int, int, int, int]]):
+        self.module, self.keys = module, keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> str:
+        return str(int(self.module.sample_seed(*self.keys[index])))  # a string: torch's collation keeps it whole
+
+
+PROCESS_KEYS = SAMPLE_KEYS + [(3, rank, epoch, index) for rank in range(3) for epoch in range(2) for index in range(4)]
+
+
+@guard.no_shortcuts
+def check_every_process(module) -> None:
+    """sample_seed gives the same seeds in DataLoader workers and in other interpreters (other hash salts)"""
+    here = [_seed(module, key) for key in PROCESS_KEYS]
+    loader = DataLoader(_Seeds(module, PROCESS_KEYS), batch_size=4, num_workers=2)
+    in_workers = [int(value) for batch in loader for value in batch]
+    if in_workers != here:
+        first = next(i for i, (a, b) in enumerate(zip(here, in_workers, strict=True)) if a != b)
+        raise CheckFailed(f"sample_seed{PROCESS_KEYS[first]} is {here[first]} here but {in_workers[first]} in a "
+                          "DataLoader worker: each worker process must compute the same seed")
+    path = os.path.abspath(module.__file__)
+    code = ("import importlib.util, json, sys\n"
+            "spec = importlib.util.spec_from_file_location('answer', sys.argv[1])\n"
+            "answer = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(answer)\n"
+            "print(json.dumps([int(answer.sample_seed(*key)) for key in json.loads(sys.argv[2])]))\n")
+    for salt in ("1", "2"):  # a new session too: nothing of this process (its group, its hash salt) carries over
+        done = subprocess.run([sys.executable, "-c", code, path, json.dumps(PROCESS_KEYS)], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "PYTHONHASHSEED": salt},
+                              start_new_session=True)
+        if done.returncode != 0:
+            raise CheckFailed(f"importing your file in a fresh interpreter failed: {done.stderr.strip()[-300:]}")
+        there = json.loads(done.stdout)
+        if there != here:
+            first = next(i for i, (a, b) in enumerate(zip(here, there, strict=True)) if a != b)
+            raise CheckFailed(f"sample_seed{PROCESS_KEYS[first]} is {here[first]} here but {there[first]} in a "
+                              f"fresh interpreter (PYTHONHASHSEED={salt}): Python's hash() of a string or bytes is "
+                              "salted per process; use a hash that is not (hashlib) or arithmetic of your own, "
+                              "and nothing of the process (its id, group or clock)")
+    _refuse_copies_of_labkit()
+
+
+class _Augmented(Dataset):
+    """Samples keyed ``(epoch, index)``: three noise values drawn from the student's per-sample generator."""
+
+    def __init__(self, module, dp_rank: int, length: int):
+        self.module, self.dp_rank, self.length = module, dp_rank, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
+        epoch, index = key
+        seed = int(self.module.sample_seed(5, self.dp_rank, epoch, index))
+        return torch.rand(3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+class _Keys(DistributedSampler):
+    """A DistributedSampler whose indices carry their epoch, from ``start`` on (a resume)."""
+
+    start = 0
+
+    def __iter__(self):
+        return ((self.epoch, index) for position, index in enumerate(super().__iter__()) if position >= self.start)
+
+
+def _draws(module, dp_rank: int, workers: int, epoch: int, start: int = 0, ranks: int = 3,
+           length: int = 60) -> torch.Tensor:
+    sampler = _Keys(range(length), num_replicas=ranks, rank=dp_rank, seed=5, drop_last=True)
+    sampler.set_epoch(epoch)
+    sampler.start = start
+    loader = DataLoader(_Augmented(module, dp_rank, length), batch_size=4, sampler=sampler, num_workers=workers)
+    return torch.cat(list(loader))
+
+
+@guard.no_shortcuts
+def check_augmentation(module) -> None:
+    """3 ranks x 2 epochs through DataLoader workers: no two draws alike, the same with 0 or 3 workers and on resume"""
+    _seed(module, (5, 0, 0, 0))  # a failure here reads better than one inside a worker
+    draws = {(rank, epoch): _draws(module, rank, 2, epoch) for rank in range(3) for epoch in range(2)}
+    rows = [(where, tuple(row.tolist())) for where, block in draws.items() for row in block]
+    seen: dict[tuple[float, ...], tuple[int, int]] = {}
+    for (rank, epoch), row in rows:
+        if row in seen:
+            other = seen[row]
+            what = ("the same rank's other epoch" if other[0] == rank else
+                    "another rank's sample" if other[1] == epoch else "another rank and epoch")
+            raise CheckFailed(f"rank {rank}, epoch {epoch} drew the same augmentation as {what} (rank {other[0]}, "
+                              f"epoch {other[1]}): two samples share a seed")
+        seen[row] = (rank, epoch)
+    for rank, workers in ((0, 0), (2, 3)):
+        if not torch.equal(_draws(module, rank, workers, 1), draws[rank, 1]):
+            raise CheckFailed(f"rank {rank}'s epoch 1 drew other augmentations with {workers} workers than with 2: "
+                              "a seed must not depend on the process that computes it")
+    resumed = _draws(module, 1, 2, 1, start=8)
+    if not torch.equal(resumed, draws[1, 1][8:]):
+        raise CheckFailed("a loader resumed 8 samples into rank 1's epoch 1 drew other augmentations for the rest")
+    _refuse_copies_of_labkit()
+
+
+LABKIT_LOADER = Path(__file__).resolve().parents[2] / "loader.py"
+
+
+def _refuse_copies_of_labkit() -> None:
+    """A fresh copy of ``labkit/loader.py`` loaded under another name escapes the guard, which switches off the
+    functions of the module already imported: refuse any such copy."""
+    for name, loaded in list(sys.modules.items()):
+        where = getattr(loaded, "__file__", None)
+        if name != "labkit.loader" and where and Path(where).resolve() == LABKIT_LOADER:
+            raise CheckFailed(f"used a copy of labkit's own loader ({name!r} from labkit/loader.py): this exercise "
+                              "asks you to write it yourself")
+
+
+CHECKS = [check_a_seed, check_distinct, check_every_process, check_augmentation]
