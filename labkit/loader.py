@@ -97,12 +97,13 @@ def burn(units: int) -> float:
 
 def work_rate() -> float:
     """Units of :func:`burn` per second on one thread of this machine, measured once per process (the fastest of
-    three timings of 2,000 units, so that a busy moment does not set it)."""
+    five timings of 2,000 units after a warm-up of 5,000, so that neither a busy moment nor a core still waking up
+    sets it)."""
     global _rate
     if _rate is None:
-        burn(200)  # warm-up
+        burn(5000)  # warm-up
         timings = []
-        for _ in range(3):
+        for _ in range(5):
             began = time.perf_counter()
             burn(2000)
             timings.append(time.perf_counter() - began)

@@ -647,6 +647,8 @@ def test_tensorboard_overlays_every_ranks_run_of_a_short_training(browser_page, 
         browser_page.goto(f"http://127.0.0.1:{port}/#timeseries")
         browser_page.wait_for_function("['rank-0', 'rank-1', '/loss', '/data_wait_ms'].every("
                                        "text => document.body.innerText.includes(text))", timeout=TENSORBOARD_S * 1000)
+        browser_page.wait_for_load_state("networkidle")
+        browser_page.wait_for_timeout(3000)  # the charts draw their lines after their titles and legends
         shot = lab.artifacts / "tensorboard-timeseries.png"
         browser_page.screenshot(path=str(shot))
         print(f"TensorBoard's page with both ranks' runs: {shot}")
