@@ -39,8 +39,9 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
+from labkit import loader
 from labkit.grading import CheckFailed, guard
 
 TOP = 2**63
@@ -188,22 +189,12 @@ class _Augmented(Dataset):
         return torch.rand(3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-class _Keys(DistributedSampler):
-    """A DistributedSampler whose indices carry their epoch, from ``start`` on (a resume)."""
-
-    start = 0
-
-    def __iter__(self):
-        return ((self.epoch, index) for position, index in enumerate(super().__iter__()) if position >= self.start)
-
-
 def _draws(module, dp_rank: int, workers: int, epoch: int, start: int = 0, ranks: int = 3,
            length: int = 60) -> torch.Tensor:
-    sampler = _Keys(range(length), num_replicas=ranks, rank=dp_rank, seed=5, drop_last=True)
-    sampler.set_epoch(epoch)
-    sampler.start = start
-    loader = DataLoader(_Augmented(module, dp_rank, length), batch_size=4, sampler=sampler, num_workers=workers)
-    return torch.cat(list(loader))
+    sampler = loader.EpochSampler(length, dp_rank, ranks, seed=5)  # (epoch, index) pairs, from `start` on
+    sampler.set_epoch(epoch, start=start)
+    reader = DataLoader(_Augmented(module, dp_rank, length), batch_size=4, sampler=sampler, num_workers=workers)
+    return torch.cat(list(reader))
 
 
 @guard.no_shortcuts
