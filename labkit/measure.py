@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.costmodel.collectives import LinkModel, fit_alpha_beta
 from labkit.dist import device, global_rank, require_group
@@ -121,6 +122,27 @@ class ActivationMeter:
 
     def __exit__(self, *exc_info: Any) -> None:
         self._hooks.__exit__(*exc_info)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest tensor any operation produces while the ``with`` block runs (elements and shape): the
+    working memory a kernel needs at once, which :class:`ActivationMeter` (only what is *saved*) does not see::
+
+        with LargestTensor() as largest:
+            blockwise_attention(q, k, v)
+        largest.numel, largest.shape   # one tile of scores, or q itself: never s x s
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel, self.shape, self.op = 0, (), ""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > self.numel:
+                self.numel, self.shape, self.op = tensor.numel(), tuple(tensor.shape), str(func)
+        return out
 
 
 def measure_training_step(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -22,9 +22,10 @@ LIBRARY = REPO / "labkit"
 MAX_LINES = 420  # DESIGN.md: "under 300-400 lines per module", with room for a docstring table or two
 LAYERS = [  # lowest first; a module's layer is the first prefix that matches
     # The pipeline's schedules and their simulator are tables and arithmetic, no process group: analytical
-    # models (the 3D step model prices a schedule with them), kept beside the runtime that runs the same tables.
+    # models (the 3D step model prices a schedule with them), kept beside the runtime that runs the same tables;
+    # so is context parallelism's layout (which tokens a rank holds, the causal work of each tile).
     ("workloads and models", ("labkit.costmodel", "labkit.data", "labkit.models", "labkit.parallel.pipeline.schedule",
-                              "labkit.parallel.pipeline.simulate")),
+                              "labkit.parallel.pipeline.simulate", "labkit.parallel.context.layout")),
     ("runtime", ("labkit.dist", "labkit.collective_log", "labkit.collective_check", "labkit.worker", "labkit.launch",
                  "labkit.mesh", "labkit.trace",
                  "labkit.collectives", "labkit.measure", "labkit.calibrate", "labkit.claims")),

@@ -1,0 +1,132 @@
+"""What long sequences cost: attention's FLOPs and memory, and context parallelism's bytes, work and time.
+
+Pure arithmetic (no process group); ``labkit.parallel.context`` is held to it: the kernel's saved bytes, the
+ring's, all-gather's and Ulysses' messages byte for byte, each rank's causal work.  Notation: ``b`` sequences
+of ``s`` tokens, ``a`` heads of ``d`` (so ``h = a d``), ``cp`` ranks per sequence, ``e`` bytes per element.
+
+**Attention.**  Scores and the weighted sum are two ``s x s x d`` matrix products per head:
+``4 b s^2 h`` FLOPs forward (:func:`attention_flops`), half of it under the causal mask when the kernel skips
+the masked half (blockwise attention does, tile by tile), and twice that backward plus one recomputation of the
+scores (FlashAttention-2's backward: ``2.5x`` the forward).  Memory: a kernel that forms the score matrix keeps
+``b a s^2`` probabilities for backward; blockwise attention keeps ``q, k, v, out`` and one log-sum-exp per row
+(:func:`attention_saved_bytes`), and a ``block x block`` tile per head while it runs.
+
+**Context parallelism's messages** per attention call and rank (:func:`cp_messages`; ``N = b (s / cp) h``):
+
+==========  ===============================================  ======================================
+strategy    forward                                          backward
+==========  ===============================================  ======================================
+ring        ``cp - 1`` sends of one K/V block (``2 N e``)     ``cp - 1`` K/V sends, ``cp - 1`` dK/dV
+all-gather  all-gather of K/V (``2 N e cp`` out)              all-gather again, reduce-scatter dK/dV
+Ulysses     all-to-all of q, k, v (``3 N e``), of out          all-to-all of dout, of dq, dk, dv
+==========  ===============================================  ======================================
+
+Through each rank's link (:func:`link_bytes`): a send is its size; an all-gather's output, a reduce-scatter's
+input and an all-to-all's input each put ``(cp - 1) / cp`` of themselves on the link.  Ring and all-gather move
+the same K/V bytes forward; the ring's go in ``cp - 1`` steps that hide behind the attention of the block in
+hand when a block's compute outlasts its transfer (:func:`ring_exposed_seconds`).  Ulysses moves ``4 N e (cp -
+1)/cp`` forward, which does not grow with ``cp`` at a fixed ``s / cp``.
+"""
+
+from __future__ import annotations
+
+from labkit.parallel.context.layout import chunk_positions, padded_length
+
+KINDS_ON_LINK = ("send", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def attention_flops(batch: int, seq_len: int, hidden: int, *, causal: bool = True, backward: bool = False) -> float:
+    """FLOPs of one layer's attention products (``Q K^T`` and ``P V``) over ``batch`` sequences, forward
+    (``backward=True``: FlashAttention-2's backward, 2.5x: the two products' gradients and the recomputed
+    scores).  Causal: the half on or below the diagonal, ``s (s + 1) / 2`` query-key pairs."""
+    pairs = seq_len * (seq_len + 1) / 2 if causal else seq_len * seq_len
+    forward = 4.0 * batch * pairs * hidden
+    return 2.5 * forward if backward else forward
+
+
+def causal_pairs_per_rank(seq_len: int, cp: int, layout: str = "zigzag") -> list[int]:
+    """Per rank, the query-key pairs its queries attend to under the causal mask (all of its work, whichever
+    rank's keys they are): contiguous rank ``r`` gets ``c (r c) + c (c + 1) / 2`` for chunks of ``c``; zig-zag
+    evens them out."""
+    seq_len = padded_length(seq_len, cp, layout)
+    pairs = []
+    for rank in range(cp):
+        positions = chunk_positions(seq_len, cp, rank, layout)
+        pairs.append(int((positions + 1).sum()))  # query at position p sees keys 0 .. p
+    return pairs
+
+
+def imbalance(work: list[float]) -> float:
+    """The busiest rank's work over the mean: how long a step waits for it (1.0: balanced)."""
+    return max(work) / (sum(work) / len(work))
+
+
+def attention_saved_bytes(batch: int, heads: int, seq_len: int, head_dim: int, element_size: int = 4, *,
+                          kernel: str = "blockwise") -> int:
+    """Bytes attention keeps for its backward pass.  ``"blockwise"``: ``q, k, v, out`` and the log-sum-exp
+    (``4 b a s d + b a s`` elements); ``"scores"``: those plus the ``b a s^2`` probabilities a kernel that forms
+    the score matrix keeps (the ``5 a s / h`` term of Korthikanti et al.'s count, at 16 bits, comes from
+    these probabilities, their dropout mask and the scores)."""
+    if kernel not in ("blockwise", "scores"):
+        raise ValueError(f"kernel must be 'blockwise' or 'scores', got {kernel!r}")
+    elements = 4 * batch * heads * seq_len * head_dim + batch * heads * seq_len
+    if kernel == "scores":
+        elements += batch * heads * seq_len * seq_len
+    return elements * element_size
+
+
+def tile_bytes(batch: int, heads: int, block_size: int, element_size: int = 4) -> int:
+    """One ``block x block`` tile of scores for every (sequence, head): what blockwise attention forms at once."""
+    return batch * heads * block_size * block_size * element_size
+
+
+def cp_messages(strategy: str, cp: int, batch: int, heads: int, local_len: int, head_dim: int,
+                element_size: int = 4) -> list[tuple[str, str, int]]:
+    """``(phase, kind, bytes)`` of every message one attention call's forward and backward passes make on one
+    rank: what ``ContextParallelGroup.log`` records (``local_len = s / cp`` tokens per rank)."""
+    if strategy not in ("ring", "all_gather", "ulysses"):
+        raise ValueError(f"strategy must be 'ring', 'all_gather' or 'ulysses', got {strategy!r}")
+    if cp == 1:
+        return []
+    block = batch * heads * local_len * head_dim * element_size  # one of q, k, v or out, this rank's tokens
+    if strategy == "ring":
+        return [("forward", "send", 2 * block)] * (cp - 1) + [("backward", "send", 2 * block)] * (2 * (cp - 1))
+    if strategy == "all_gather":
+        gathered = 2 * block * cp
+        return [("forward", "all_gather", gathered), ("backward", "all_gather", gathered),
+                ("backward", "reduce_scatter", gathered)]
+    return [("forward", "all_to_all", 3 * block), ("forward", "all_to_all", block),
+            ("backward", "all_to_all", block), ("backward", "all_to_all", 3 * block)]
+
+
+def link_bytes(kind: str, nbytes: int, cp: int) -> float:
+    """Bytes a message of ``kind`` and size ``nbytes`` puts on each rank's link (ring algorithms)."""
+    if kind not in KINDS_ON_LINK:
+        raise ValueError(f"kind must be one of {KINDS_ON_LINK}, got {kind!r}")
+    return float(nbytes) if kind == "send" else nbytes * (cp - 1) / cp
+
+
+def cp_link_bytes(strategy: str, cp: int, batch: int, heads: int, local_len: int, head_dim: int,
+                  element_size: int = 4) -> dict[str, float]:
+    """``{"forward": bytes, "backward": bytes}`` each rank puts on its link in one attention call."""
+    total = {"forward": 0.0, "backward": 0.0}
+    for phase, kind, nbytes in cp_messages(strategy, cp, batch, heads, local_len, head_dim, element_size):
+        total[phase] += link_bytes(kind, nbytes, cp)
+    return total
+
+
+def cp_buffer_bytes(strategy: str, cp: int, batch: int, heads: int, local_len: int, head_dim: int,
+                    element_size: int = 4) -> int:
+    """Bytes of other ranks' data a rank holds while one attention call's forward pass runs: the ring one K/V
+    block in flight (plus the one in hand, received last step), all-gather the whole sequence's K/V, Ulysses
+    q, k, v of the whole sequence for its ``heads / cp`` heads (the same size as its own)."""
+    block = batch * heads * local_len * head_dim * element_size
+    if cp == 1:
+        return 0
+    return {"ring": 2 * 2 * block, "all_gather": 2 * block * cp, "ulysses": 3 * block}[strategy]
+
+
+def ring_exposed_seconds(compute_s: float, transfer_s: float, cp: int) -> float:
+    """The ring's communication left on the critical path in one pass: ``cp - 1`` steps, each hiding the next
+    block's transfer behind the current block's compute (``transfer_s``, ``compute_s`` per step)."""
+    return (cp - 1) * max(0.0, transfer_s - compute_s)

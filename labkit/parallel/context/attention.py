@@ -1,0 +1,317 @@
+"""Context parallelism: one sequence's attention over ``cp`` ranks, three ways, all on the blockwise kernel.
+
+Each rank holds ``s / cp`` of the sequence's tokens (:mod:`labkit.parallel.context.layout`: contiguous or
+zig-zag) and their ``q, k, v`` ``[batch, heads, s / cp, d]``.  Everything in a transformer but attention works
+token by token, so it needs no communication; attention needs every earlier key.  Write ``N = b (s / cp) h``
+for the elements of one rank's ``K`` (``h = heads x d``), ``e`` for the bytes of one element.
+
+**Ring attention, pass-KV** (Liu et al. 2023; Brandon et al. 2023's zig-zag for the causal balance).  The
+ranks form a ring; at step ``i`` rank ``r`` holds the keys and values of rank ``r - i`` and computes its queries'
+partial result against them (:func:`~labkit.parallel.context.blockwise.attention_forward`) while it passes
+them on to ``r + 1`` and receives the next block from ``r - 1`` (``isend``/``irecv``, overlapped).  The ``cp``
+partial results merge exactly by their log-sum-exps.  Sends per rank: ``(cp - 1)`` K/V blocks forward,
+``2 N e (cp - 1)`` bytes; backward the K/V blocks rotate again and each block's ``dK, dV`` travel round the ring
+behind them, accumulating every rank's share until they reach their owner: ``(cp - 1)`` more of each.
+Memory: one K/V block in flight besides one's own.
+
+**All-gather** (Llama 3, Grattafiori et al. 2024, section 3.3.2): all-gather ``K, V`` (``2 N cp e`` bytes out of
+the all-gather, ``(cp - 1) / cp`` of it through each rank's link), attend locally, and in the backward pass
+gather again and reduce-scatter ``dK, dV`` to their owners.  Simple, exposed (not overlapped), and memory for
+the whole sequence's ``K, V`` while a layer runs; Llama 3 chose it for its flexibility with masks and because
+``K, V`` are small under grouped-query attention.
+
+**Ulysses** (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns sequence-sharded ``q, k, v``
+into head-sharded ones (every rank: the whole sequence, ``heads / cp`` heads), each rank attends its heads with
+no further communication, and a second all-to-all turns the output back.  Each all-to-all moves
+``(cp - 1) / cp`` of its input: forward ``4 N e (cp - 1) / cp`` bytes per rank (q, k, v, out), the same backward
+(their gradients) -- the paper's "4Nh/P" per link, constant when ``s`` and ``cp`` grow together.  The heads
+must divide by ``cp``.
+
+Every collective is recorded by the :class:`ContextParallelGroup` (what ``labkit.costmodel.context`` predicts),
+timed on the trace, and every tile the kernel computes is counted in ``.tiles``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from labkit import trace
+from labkit.dist import global_rank, require_group
+from labkit.parallel.base import all_gather_tensor, reduce_scatter_tensor
+from labkit.parallel.context.blockwise import (
+    DEFAULT_BLOCK_SIZE,
+    BlockwiseAttention,
+    Tiles,
+    attention_backward,
+    attention_forward,
+    merge_partials,
+    softmax_delta,
+)
+from labkit.parallel.context.layout import check_cp, chunk_positions
+
+STRATEGIES = ("ring", "all_gather", "ulysses")
+
+
+class ContextParallelGroup:
+    """The ranks one sequence is split over, how it is split, and a record of what they sent and computed.
+
+    ``group``: ``None``, a ``ProcessGroup`` or a one-dimensional ``DeviceMesh``.  ``log`` lists
+    ``(phase, kind, bytes)`` for every send or collective (``kind``: ``"send"`` for the ring's point-to-point
+    messages, else the collective's name; bytes counted as :mod:`labkit.parallel.base` counts them).
+    """
+
+    def __init__(self, group: Any = None, layout: str = "zigzag", block_size: int = DEFAULT_BLOCK_SIZE):
+        self.group = require_group(group)
+        self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        check_cp(self.size, layout)
+        self.layout, self.block_size = layout, block_size
+        self.log: list[tuple[str, str, int]] = []
+        self.tiles = Tiles()
+        self._positions: dict[tuple[int, int], torch.Tensor] = {}
+
+    def positions(self, local_len: int, rank: int | None = None) -> torch.Tensor:
+        """The whole-sequence positions of rank ``rank``'s (default: this rank's) ``local_len`` tokens."""
+        rank = self.rank if rank is None else rank
+        if (local_len, rank) not in self._positions:
+            self._positions[local_len, rank] = chunk_positions(local_len * self.size, self.size, rank, self.layout)
+        return self._positions[local_len, rank]
+
+    def all_positions(self, local_len: int) -> torch.Tensor:
+        """Every rank's positions, in rank order: the order of a sequence gathered along the group."""
+        return torch.cat([self.positions(local_len, rank) for rank in range(self.size)])
+
+    def _record(self, kind: str, tensor: torch.Tensor) -> None:
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        self.log.append((phase, kind, tensor.numel() * tensor.element_size()))
+
+    def rotate(self, sends: list[tuple[torch.Tensor, str]]) -> tuple[list[Any], list[torch.Tensor]]:
+        """Send each tensor to the next rank of the ring and receive one of the same shape from the previous
+        one, all in one batch (NCCL needs a ring's sends and receives grouped, or every rank's send waits for a
+        receive queued behind it).  Returns the works to wait on and the receive buffers."""
+        ops, received = [], []
+        following = global_rank(self.group, (self.rank + 1) % self.size)
+        preceding = global_rank(self.group, (self.rank - 1) % self.size)
+        for tag, (tensor, _) in enumerate(sends):
+            buffer = torch.empty_like(tensor)
+            self._record("send", tensor)
+            ops += [dist.P2POp(dist.isend, tensor, following, self.group, tag),
+                    dist.P2POp(dist.irecv, buffer, preceding, self.group, tag)]
+            received.append(buffer)
+        works = dist.batch_isend_irecv(ops)
+        for work, (_, what) in zip(works[1::2], sends, strict=True):
+            trace.record_async(work, f"recv {what}")
+        return works, received
+
+    def all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """The ranks' ``tensor``s stacked along a new first dimension, in rank order."""
+        out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))  # concatenated along dim 0
+        self._record("all_gather", out)
+        with trace.span(f"all_gather {what}", "comm"):
+            all_gather_tensor(out, tensor.contiguous(), group=self.group)
+        return out.view(self.size, *tensor.shape)
+
+    def reduce_scatter(self, stacked: torch.Tensor, what: str) -> torch.Tensor:
+        """``stacked[r]`` summed over the ranks, on rank ``r``."""
+        out = stacked.new_empty(stacked.shape[1:])
+        self._record("reduce_scatter", stacked)
+        with trace.span(f"reduce_scatter {what}", "comm"):
+            reduce_scatter_tensor(out, stacked.contiguous().flatten(0, 1), group=self.group)
+        return out
+
+    def all_to_all(self, stacked: torch.Tensor, what: str) -> torch.Tensor:
+        """``stacked[r]`` goes to rank ``r``; returns what every rank sent here, stacked by sender."""
+        out = stacked.new_empty(stacked.shape)  # contiguous (empty_like would keep a view's strides)
+        self._record("all_to_all", stacked)
+        with trace.span(f"all_to_all {what}", "comm"):
+            dist.all_to_all_single(out, stacked.contiguous(), group=self.group)
+        return out
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ring attention (pass-KV)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallelGroup,
+                causal: bool) -> torch.Tensor:
+        local = q.shape[2]
+        kv = torch.stack([k, v])
+        out = lse = None
+        for step in range(cp.size):
+            source = (cp.rank - step) % cp.size
+            works, incoming = cp.rotate([(kv, "kv")]) if step < cp.size - 1 else ([], [kv])
+            with trace.span(f"attention q{cp.rank} kv{source}", "compute"):
+                part = attention_forward(q, kv[0], kv[1], causal=causal, block_size=cp.block_size,
+                                         q_positions=cp.positions(local), k_positions=cp.positions(local, source),
+                                         tiles=cp.tiles)
+                out, lse = part if out is None else merge_partials(out, lse, *part)
+            _wait(works)
+            kv = incoming[0]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.causal = cp, causal
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, local = ctx.cp, q.shape[2]
+        dout = dout.contiguous()
+        delta = softmax_delta(out, dout)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        own = pending = None
+        for step in range(cp.size):
+            source = (cp.rank - step) % cp.size
+            # The dK, dV of the block held now arrive from the rank that held it last step (from step 2 on: at
+            # step 1 the block's first share is computed here); this rank's last share leaves in the same batch.
+            sends = [(pending, "dkv")] if pending is not None else []
+            if step < cp.size - 1:
+                sends.append((kv, "kv"))
+            works, incoming = cp.rotate(sends) if sends else ([], [])
+            with trace.span(f"attention backward q{cp.rank} kv{source}", "compute"):
+                dq_part, dk, dv = attention_backward(
+                    q, kv[0], kv[1], dout, lse, delta, causal=ctx.causal, block_size=cp.block_size,
+                    q_positions=cp.positions(local), k_positions=cp.positions(local, source), tiles=cp.tiles)
+            dq += dq_part
+            dkv = torch.stack([dk, dv])
+            _wait(works)
+            if pending is not None:
+                dkv += incoming.pop(0)
+            if step == 0:
+                own = dkv
+            else:
+                pending = dkv
+            if incoming:
+                kv = incoming[0]
+        if pending is not None:  # the last share goes home: rank r + 1 held rank r's block at the last step
+            works, incoming = cp.rotate([(pending, "dkv")])
+            _wait(works)
+            own = own + incoming[0]
+        return dq, own[0], own[1], None, None
+
+
+# --------------------------------------------------------------------------------------------------------
+# All-gather (Llama 3)
+
+
+def _gathered(stacked: torch.Tensor) -> torch.Tensor:
+    """``[cp, 2, b, heads, s/cp, d]`` -> ``[2, b, heads, s, d]``, rank 0's tokens first."""
+    cp, two, batch, heads, local, dim = stacked.shape
+    return stacked.permute(1, 2, 3, 0, 4, 5).reshape(two, batch, heads, cp * local, dim)
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallelGroup,
+                causal: bool) -> torch.Tensor:
+        local = q.shape[2]
+        kv = _gathered(cp.all_gather(torch.stack([k, v]), "kv"))
+        with trace.span(f"attention q{cp.rank} all kv", "compute"):
+            out, lse = attention_forward(q, kv[0], kv[1], causal=causal, block_size=cp.block_size,
+                                         q_positions=cp.positions(local), k_positions=cp.all_positions(local),
+                                         tiles=cp.tiles)
+        ctx.save_for_backward(q, k, v, out, lse)  # this rank's K, V only: gathered again backward
+        ctx.cp, ctx.causal = cp, causal
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, local = ctx.cp, q.shape[2]
+        dout = dout.contiguous()
+        kv = _gathered(cp.all_gather(torch.stack([k, v]), "kv"))
+        with trace.span(f"attention backward q{cp.rank} all kv", "compute"):
+            dq, dk, dv = attention_backward(q, kv[0], kv[1], dout, lse, softmax_delta(out, dout),
+                                            causal=ctx.causal, block_size=cp.block_size,
+                                            q_positions=cp.positions(local), k_positions=cp.all_positions(local),
+                                            tiles=cp.tiles)
+        batch, heads, _, dim = dk.shape
+        per_rank = torch.stack([dk, dv]).view(2, batch, heads, cp.size, local, dim).permute(3, 0, 1, 2, 4, 5)
+        own = cp.reduce_scatter(per_rank, "dkv")
+        return dq, own[0], own[1], None, None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ulysses (all-to-all)
+
+
+def _sequence_to_heads(x: torch.Tensor, cp: ContextParallelGroup, what: str) -> torch.Tensor:
+    """``[n, heads, s/cp, d]`` sequence-sharded -> ``[n, heads/cp, s, d]`` head-sharded (rank order of tokens)."""
+    n, heads, local, dim = x.shape
+    send = x.view(n, cp.size, heads // cp.size, local, dim).transpose(0, 1)  # [destination, n, heads/cp, ...]
+    received = cp.all_to_all(send, what)  # [source, n, heads/cp, s/cp, d]
+    return received.permute(1, 2, 0, 3, 4).reshape(n, heads // cp.size, cp.size * local, dim)
+
+
+def _heads_to_sequence(x: torch.Tensor, cp: ContextParallelGroup, what: str) -> torch.Tensor:
+    """The inverse of :func:`_sequence_to_heads`."""
+    n, group_heads, length, dim = x.shape
+    local = length // cp.size
+    send = x.view(n, group_heads, cp.size, local, dim).permute(2, 0, 1, 3, 4)  # [destination (its tokens), ...]
+    received = cp.all_to_all(send, what)  # [source (its heads), n, heads/cp, s/cp, d]
+    return received.transpose(0, 1).reshape(n, cp.size * group_heads, local, dim)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cp: ContextParallelGroup, what: str) -> torch.Tensor:
+        ctx.cp, ctx.what = cp, what
+        return _sequence_to_heads(x, cp, what)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _heads_to_sequence(grad.contiguous(), ctx.cp, f"d{ctx.what}"), None, None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cp: ContextParallelGroup, what: str) -> torch.Tensor:
+        ctx.cp, ctx.what = cp, what
+        return _heads_to_sequence(x, cp, what)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _sequence_to_heads(grad.contiguous(), ctx.cp, f"d{ctx.what}"), None, None
+
+
+def check_ulysses_heads(heads: int, cp: int) -> None:
+    """Ulysses gives each rank ``heads / cp`` whole heads: ``ValueError`` when ``cp`` does not divide them."""
+    if heads % cp:
+        raise ValueError(f"Ulysses needs the heads to divide over the cp ranks: {heads} heads, cp={cp} "
+                         f"(use ring or all-gather context parallelism, or a cp that divides {heads})")
+
+
+def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallelGroup,
+             causal: bool) -> torch.Tensor:
+    check_ulysses_heads(q.shape[1], cp.size)
+    batch, local = q.shape[0], q.shape[2]
+    qkv = _SequenceToHeads.apply(torch.cat([q, k, v]), cp, "qkv")  # one all-to-all for the three
+    positions = cp.all_positions(local)
+    with trace.span(f"attention heads of rank {cp.rank}", "compute"):
+        out, _ = BlockwiseAttention.apply(qkv[:batch], qkv[batch:2 * batch], qkv[2 * batch:], causal,
+                                          cp.block_size, None, positions, positions, cp.tiles)
+    return _HeadsToSequence.apply(out, cp, "out")
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallelGroup, *,
+                               strategy: str = "ring", causal: bool = True) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence's keys; ``q, k, v`` ``[batch, heads, s/cp, d]``
+    hold this rank's tokens (``cp.layout``), the result too.  Differentiable; equal to one process's attention
+    over the whole sequence, gathered (``tests/test_context_parallel.py``)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if cp.size == 1:
+        return BlockwiseAttention.apply(q, k, v, causal, cp.block_size, None, None, None, cp.tiles)[0]
+    implementation: dict[str, Callable[..., torch.Tensor]] = {
+        "ring": _RingAttention.apply, "all_gather": _AllGatherAttention.apply, "ulysses": _ulysses}
+    return implementation[strategy](q, k, v, cp, causal)

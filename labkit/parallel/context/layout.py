@@ -1,0 +1,148 @@
+"""How context parallelism cuts a sequence: which tokens each of ``cp`` ranks holds, and the work that gives it.
+
+**Contiguous** (``layout="contiguous"``): rank ``r`` holds chunk ``r`` of ``cp`` equal chunks.  Under the
+causal mask, chunk ``r``'s queries see the keys of chunks ``0 .. r``: rank ``r`` computes ``r`` full blocks of
+scores and one half (the diagonal), so the last rank works about ``2 cp - 1`` times as long as the first, and
+every ring step waits for it.
+
+**Zig-zag** (``layout="zigzag"``; Brandon et al. 2023's striped idea in the head-tail form of
+zhuzilin/ring-flash-attention and Megatron-Core): cut the sequence into ``2 cp`` chunks; rank ``r`` holds chunks
+``r`` and ``2 cp - 1 - r``, an early one and its mirror from the end.  Each rank's two chunks together see the
+same number of keys, ``2 cp + 1`` half-chunks' worth, so every rank does the same work.
+
+Both need the sequence length to divide: by ``cp`` (contiguous) or ``2 cp`` (zig-zag).  A causal sequence that
+does not is **padded at the end** (:func:`padded_length`): padding tokens come after every real token, so no
+real query attends to them, and their targets are ignored by the loss; nothing a real token computes changes.
+A non-causal sequence cannot be padded that way (every query would see the padding) and is refused.
+
+Every rank also needs its tokens' places in the whole sequence (:func:`chunk_positions`): for the position
+embedding (or RoPE's angles), and for the causal mask between its queries and another rank's keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+LAYOUTS = ("contiguous", "zigzag")
+IGNORE_INDEX = -100  # F.cross_entropy's default: padded targets are left out of the loss
+
+
+@dataclass
+class Tiles:
+    """The ``block x block`` tiles of one call: ``computed`` (of which ``masked`` needed the causal mask) and
+    ``skipped`` (every key after every query)."""
+
+    computed: int = 0
+    masked: int = 0
+    skipped: int = 0
+
+    def __iadd__(self, other: Tiles) -> Tiles:
+        self.computed += other.computed
+        self.masked += other.masked
+        self.skipped += other.skipped
+        return self
+
+
+def block_slices(length: int, block_size: int) -> list[slice]:
+    return [slice(start, min(start + block_size, length)) for start in range(0, length, block_size)]
+
+
+def tile_kind(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> str:
+    """``"skip"`` (every key after every query), ``"full"`` (no key after any query) or ``"masked"``."""
+    if not causal:
+        return "full"
+    if int(k_pos.min()) > int(q_pos.max()):
+        return "skip"
+    return "full" if int(k_pos.max()) <= int(q_pos.min()) else "masked"
+
+
+def check_cp(cp: Any, layout: Any = "zigzag") -> None:
+    """``cp`` an integer >= 1 and ``layout`` one of :data:`LAYOUTS`; ``ValueError`` naming the value."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be an integer >= 1 (the number of ranks sharing one sequence), got {cp!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def chunks_per_rank(layout: str) -> int:
+    """Pieces of the sequence a rank holds: 1 (contiguous) or 2 (zig-zag)."""
+    return 2 if layout == "zigzag" else 1
+
+
+def padded_length(seq_len: int, cp: int, layout: str = "zigzag", *, causal: bool = True) -> int:
+    """The smallest length >= ``seq_len`` that the layout cuts evenly (``seq_len`` itself when it divides).
+
+    Raises ``ValueError`` for a non-causal sequence that would need padding (the padding would be attended to).
+    """
+    check_cp(cp, layout)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+    pieces = cp * chunks_per_rank(layout)
+    padded = -(-seq_len // pieces) * pieces
+    if padded != seq_len and not causal:
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into {pieces} equal chunks "
+                         f"(cp={cp}, {layout}), and non-causal attention cannot be padded (every query would "
+                         f"attend to the padding): use a length divisible by {pieces}")
+    return padded
+
+
+def chunk_positions(seq_len: int, cp: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
+    """The positions, in the whole sequence of ``seq_len`` tokens, of the tokens rank ``rank`` holds, in the order
+    it holds them.  ``seq_len`` must divide evenly (pad first with :func:`padded_length`)."""
+    check_cp(cp, layout)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cp:
+        raise ValueError(f"rank must be in [0, cp={cp}), got {rank!r}")
+    pieces = cp * chunks_per_rank(layout)
+    if seq_len % pieces:
+        raise ValueError(f"seq_len={seq_len} does not split into {pieces} equal chunks (cp={cp}, {layout}); "
+                         f"pad it to padded_length(...) = {-(-seq_len // pieces) * pieces} first")
+    size = seq_len // pieces
+    owned = [rank] if layout == "contiguous" else [rank, 2 * cp - 1 - rank]
+    return torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in owned])
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s tokens of ``x`` along ``dim`` (whose length must divide evenly)."""
+    return x.index_select(dim, chunk_positions(x.shape[dim], cp, rank, layout).to(x.device))
+
+
+def gather_sequence(parts: list[torch.Tensor], layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """The inverse of :func:`shard_sequence`: every rank's part (in rank order) back in sequence order."""
+    cp = len(parts)
+    joined = torch.cat(parts, dim=dim)
+    order = torch.cat([chunk_positions(joined.shape[dim], cp, rank, layout) for rank in range(cp)])
+    return joined.index_select(dim, torch.argsort(order).to(joined.device))
+
+
+def pad_batch(idx: torch.Tensor, targets: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``idx`` and ``targets`` ``[batch, seq]`` padded at the end to ``length`` (tokens 0, targets ignored)."""
+    extra = length - idx.shape[1]
+    if extra < 0:
+        raise ValueError(f"cannot pad a sequence of {idx.shape[1]} tokens to {length}")
+    if extra == 0:
+        return idx, targets
+    return (torch.nn.functional.pad(idx, (0, extra), value=0),
+            torch.nn.functional.pad(targets, (0, extra), value=IGNORE_INDEX))
+
+
+def ring_tiles(seq_len: int, cp: int, layout: str = "zigzag", block_size: int = 8,
+               causal: bool = True) -> list[Tiles]:
+    """Per rank, the score tiles its queries compute against every rank's keys in one causal forward pass (pure
+    arithmetic with the kernel's own tile rule): the work each ring step's compute takes, summed."""
+    seq_len = padded_length(seq_len, cp, layout, causal=causal)
+    positions = [chunk_positions(seq_len, cp, rank, layout) for rank in range(cp)]
+    work = []
+    for mine in positions:
+        count = Tiles()
+        for theirs in positions:
+            for rows in block_slices(len(mine), block_size):
+                for cols in block_slices(len(theirs), block_size):
+                    kind = tile_kind(mine[rows], theirs[cols], causal)
+                    count.computed += kind != "skip"
+                    count.masked += kind == "masked"
+                    count.skipped += kind == "skip"
+        work.append(count)
+    return work
