@@ -1,4 +1,4 @@
-"""``Mesh(dp=, tp=, pp=)``: the ranks arranged in a 3-D grid, and one process group per dimension.
+"""``Mesh(dp=, tp=, pp=, cp=)``: the ranks arranged in a grid, and one process group per dimension.
 
 **3D parallelism** combines three ways of splitting the work.  *Tensor parallelism* (tp) splits every layer's
 matrices over ``tp`` ranks; *pipeline parallelism* (pp) splits the layers into ``pp`` stages; *data
@@ -7,8 +7,20 @@ has three coordinates, and the ranks that differ in only one coordinate form tha
 ``tp`` ranks holding the pieces of the same layers, the ``pp`` stages of one replica, the ``dp`` replicas of
 the same piece (which average their gradients).  ``dp * tp * pp`` must be the number of ranks.
 
-**The layout.**  Global rank ``r`` sits at ``(pp, dp, tp)`` with ``r = (pp * dp_size + dp) * tp_size + tp``:
-the grid ``arange(world_size).view(pp, dp, tp)``, tp innermost and pp outermost.  On 8 ranks with
+**A fourth dimension, context parallelism** (cp; :mod:`labkit.parallel.context`) splits each sequence over
+``cp`` ranks.  It sits **between dp and tp**, as torchtitan (``ParallelDims``: ``pp, dp, cp, tp``) and Megatron-Core
+(``tp-cp-ep-dp-pp``, innermost first) order it: its ring or all-to-all runs inside every layer's attention, on the
+critical path like TP's all-reduces, only once per attention rather than four times per layer, and its sends
+overlap with attention's compute; so it takes the links just outside TP's (the rest of a node, or the nearest
+nodes) and leaves the slower ones to DP, which reduces once per step, and to PP.  The ``cp`` ranks of one
+sequence hold the same weights, like DP replicas, and their gradients are averaged with them: the data-parallel
+wrapper runs over ``group("dp_cp")``, the ``dp * cp`` ranks that share this rank's pp and tp coordinates.
+With ``cp = 1`` (the default) everything below reads as the 3-D grid; ``describe_layout`` then leaves the cp
+column out.
+
+**The layout.**  Global rank ``r`` sits at ``(pp, dp, cp, tp)`` with
+``r = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp``: the grid ``arange(world_size).view(pp, dp, cp,
+tp)``, tp innermost and pp outermost.  On 8 ranks with
 ``dp = tp = pp = 2``::
 
     rank  pp  dp  tp          tp groups: [0, 1] [2, 3] [4, 5] [6, 7]
@@ -42,11 +54,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from labkit.dist import backend, device, require_group
 
-DIMS = ("pp", "dp", "tp")  # the grid's axes, outermost first
+DIMS = ("pp", "dp", "cp", "tp")  # the grid's axes, outermost first
+FLATTENED = {"dp_cp": ("dp", "cp")}  # groups over several dimensions at once: the data-parallel wrapper's
 
 
-def _check_degrees(dp: object, tp: object, pp: object) -> dict[str, int]:
-    degrees = {"pp": pp, "dp": dp, "tp": tp}
+def _check_degrees(dp: object, tp: object, pp: object, cp: object = 1) -> dict[str, int]:
+    degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     for name, value in degrees.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1 (the number of ranks along that dimension), "
@@ -55,71 +68,92 @@ def _check_degrees(dp: object, tp: object, pp: object) -> dict[str, int]:
 
 
 def _check_world_size(world_size: int, degrees: dict[str, int]) -> None:
-    product = degrees["dp"] * degrees["tp"] * degrees["pp"]
+    product = degrees["dp"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
     if product != world_size:
-        raise ValueError(f"dp * tp * pp must equal the number of ranks: dp={degrees['dp']} * tp={degrees['tp']} "
-                         f"* pp={degrees['pp']} = {product}, but the world size is {world_size}")
+        dims = [dim for dim in ("dp", "cp", "tp", "pp") if dim != "cp" or degrees["cp"] > 1]
+        raise ValueError(f"{' * '.join(dims)} must equal the number of ranks: "
+                         f"{' * '.join(f'{dim}={degrees[dim]}' for dim in dims)} = {product}, but the world size "
+                         f"is {world_size}")
 
 
-def mesh_coordinates(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1) -> list[dict[str, int]]:
-    """Every rank's coordinates, index = global rank: ``[{"pp": 0, "dp": 0, "tp": 0}, ...]`` (no process group).
+def mesh_coordinates(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> list[dict[str, int]]:
+    """Every rank's coordinates, index = global rank: ``[{"pp": 0, "dp": 0, "cp": 0, "tp": 0}, ...]`` (no
+    process group).
 
-    Raises ``ValueError`` naming the sizes when ``dp * tp * pp != world_size`` or a degree is not a positive
+    Raises ``ValueError`` naming the sizes when ``dp * cp * tp * pp != world_size`` or a degree is not a positive
     integer.
     """
-    degrees = _check_degrees(dp, tp, pp)
+    degrees = _check_degrees(dp, tp, pp, cp)
     _check_world_size(world_size, degrees)
-    return [{"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp} for rank in range(world_size)]
+    return [{"pp": rank // (dp * cp * tp), "dp": rank // (cp * tp) % dp, "cp": rank // tp % cp, "tp": rank % tp}
+            for rank in range(world_size)]
 
 
-def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, list[list[int]]]:
-    """Per dimension, every group's global ranks: the ranks whose other two coordinates are equal."""
-    coordinates = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp)
+def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> dict[str, list[list[int]]]:
+    """Per dimension (and per flattened pair, :data:`FLATTENED`), every group's global ranks: the ranks whose
+    other coordinates are equal."""
+    coordinates = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
     groups: dict[str, list[list[int]]] = {}
-    for dim in DIMS:
+    for name, dims in [(dim, (dim,)) for dim in DIMS] + list(FLATTENED.items()):
         by_others: dict[tuple[int, ...], list[int]] = {}
         for rank, coords in enumerate(coordinates):
-            by_others.setdefault(tuple(coords[other] for other in DIMS if other != dim), []).append(rank)
-        groups[dim] = list(by_others.values())
+            by_others.setdefault(tuple(coords[other] for other in DIMS if other not in dims), []).append(rank)
+        groups[name] = list(by_others.values())
     return groups
 
 
-def describe_layout(dp: int = 1, tp: int = 1, pp: int = 1) -> str:
-    """A table of every rank's coordinates, then each dimension's groups (no process group needed)."""
-    _check_degrees(dp, tp, pp)
-    world_size = dp * tp * pp
-    coordinates = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp)
-    lines = ["rank  " + "  ".join(f"{dim:>2}" for dim in DIMS)]
-    lines += [f"{rank:>4}  " + "  ".join(f"{coords[dim]:>2}" for dim in DIMS)
+def describe_layout(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> str:
+    """A table of every rank's coordinates, then each dimension's groups (no process group needed).  The cp
+    column and groups appear when ``cp > 1``."""
+    _check_degrees(dp, tp, pp, cp)
+    world_size = dp * cp * tp * pp
+    coordinates = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
+    shown = [dim for dim in DIMS if dim != "cp" or cp > 1]
+    lines = ["rank  " + "  ".join(f"{dim:>2}" for dim in shown)]
+    lines += [f"{rank:>4}  " + "  ".join(f"{coords[dim]:>2}" for dim in shown)
               for rank, coords in enumerate(coordinates)]
-    for dim, groups in reversed(mesh_groups(world_size, dp=dp, tp=tp, pp=pp).items()):
-        lines.append(f"{dim} groups: " + " ".join(map(str, groups)))
+    groups = mesh_groups(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
+    for dim in reversed(shown):
+        lines.append(f"{dim} groups: " + " ".join(map(str, groups[dim])))
     return "\n".join(lines)
 
 
 class Mesh:
-    """The default process group's ranks as a ``(pp, dp, tp)`` grid, with one process group per dimension.
+    """The default process group's ranks as a ``(pp, dp, cp, tp)`` grid, with one process group per dimension.
 
-    A collective: every rank constructs it with the same sizes.  ``dim`` is always ``"dp"``, ``"tp"`` or
-    ``"pp"``.  Bad sizes raise ``ValueError`` before any group is made; without a process group,
-    ``RuntimeError``.
+    A collective: every rank constructs it with the same sizes.  ``dim`` is one of :data:`DIMS`, or for
+    :meth:`group` and :meth:`ranks` also ``"dp_cp"`` (the data-parallel wrapper's group: the ``dp * cp`` ranks
+    that hold the same weights).  Bad sizes raise ``ValueError`` before any group is made; without a process
+    group, ``RuntimeError``.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1):
-        degrees = _check_degrees(dp, tp, pp)
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1):
+        degrees = _check_degrees(dp, tp, pp, cp)
         require_group()
         _check_world_size(torch_dist.get_world_size(), degrees)
-        self.dp, self.tp, self.pp = dp, tp, pp
-        self.device_mesh: DeviceMesh = init_device_mesh(device().type, (pp, dp, tp), mesh_dim_names=DIMS)
+        self.dp, self.tp, self.pp, self.cp = dp, tp, pp, cp
+        self.device_mesh: DeviceMesh = init_device_mesh(device().type, (pp, dp, cp, tp), mesh_dim_names=DIMS)
+        # The flattened dp x cp groups, made by every rank in the same order (a collective, like the mesh's own).
+        self._flattened: dict[str, torch_dist.ProcessGroup] = {}
+        for name, groups in mesh_groups(torch_dist.get_world_size(), dp=dp, tp=tp, pp=pp, cp=cp).items():
+            if name in FLATTENED:
+                for ranks in groups:
+                    group = self.group(FLATTENED[name][0]) if cp == 1 else torch_dist.new_group(ranks)
+                    if torch_dist.get_rank() in ranks:
+                        self._flattened[name] = group
 
-    def _check_dim(self, dim: object) -> str:
-        if not isinstance(dim, str) or dim not in DIMS:
-            raise ValueError(f"dim must be one of 'dp', 'tp', 'pp', got {dim!r}")
+    def _check_dim(self, dim: object, flattened: bool = False) -> str:
+        if not isinstance(dim, str) or dim not in DIMS + (tuple(FLATTENED) if flattened else ()):
+            allowed = ", ".join(repr(d) for d in DIMS + (tuple(FLATTENED) if flattened else ()))
+            raise ValueError(f"dim must be one of {allowed}, got {dim!r}")
         return dim
 
     def group(self, dim: str) -> torch_dist.ProcessGroup:
-        """The process group of the ranks that share this rank's other two coordinates."""
-        return self.device_mesh.get_group(self._check_dim(dim))
+        """The process group of the ranks that share this rank's other coordinates (``"dp_cp"``: all but dp's and
+        cp's)."""
+        if self._check_dim(dim, flattened=True) in FLATTENED:
+            return self._flattened[dim]
+        return self.device_mesh.get_group(dim)
 
     def rank(self, dim: str) -> int:
         """This rank's coordinate along ``dim`` (its rank in ``group(dim)``)."""
@@ -127,10 +161,10 @@ class Mesh:
 
     def size(self, dim: str) -> int:
         """The number of ranks along ``dim``."""
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}[self._check_dim(dim)]
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp}[self._check_dim(dim)]
 
     def coords(self) -> dict[str, int]:
-        """This rank's coordinates, e.g. ``{"pp": 0, "dp": 1, "tp": 0}``."""
+        """This rank's coordinates, e.g. ``{"pp": 0, "dp": 1, "cp": 0, "tp": 0}``."""
         return {dim: self.rank(dim) for dim in DIMS}
 
     def ranks(self, dim: str) -> list[int]:
@@ -141,7 +175,8 @@ class Mesh:
         """This rank's place, then the table of every rank's coordinates and the groups."""
         here = ", ".join(f"{dim}={index}" for dim, index in self.coords().items())
         return (f"{self!r} over {torch_dist.get_world_size()} ranks ({backend()}, {device().type}); "
-                f"rank {torch_dist.get_rank()} is at {here}\n" + describe_layout(self.dp, self.tp, self.pp))
+                f"rank {torch_dist.get_rank()} is at {here}\n"
+                + describe_layout(self.dp, self.tp, self.pp, self.cp))
 
     def __repr__(self) -> str:
-        return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp})"
+        return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}" + (f", cp={self.cp})" if self.cp > 1 else ")")

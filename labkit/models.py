@@ -72,6 +72,9 @@ import torch.nn.functional as F
 
 from labkit.data import VOCAB_SIZE
 
+IGNORE_INDEX = -100  # a target the loss leaves out (F.cross_entropy's ignore_index): a padded sequence's end
+
+
 # --------------------------------------------------------------------------------------------------------
 # A classifier MLP
 
@@ -161,11 +164,27 @@ PRESETS = {
 }
 
 
+class Attention(nn.Module):
+    """The attention core, ``softmax(q k^T / sqrt(d)) v`` under the causal mask (torch's fused kernel), apart from
+    the projections around it so that a parallelism can replace it whole: context parallelism puts its ring,
+    all-gather or all-to-all attention here (``labkit.parallel.context``).  No parameters."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q, k, v`` ``[batch, heads, seq, head_dim]`` -> the attended values, same shape as ``q``."""
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                              is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
+        self.core = Attention(config.dropout)
         self.query = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.key = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.value = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -180,8 +199,7 @@ class CausalSelfAttention(nn.Module):
         def heads(projection: nn.Linear) -> torch.Tensor:
             return projection(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
 
-        attended = F.scaled_dot_product_attention(heads(self.query), heads(self.key), heads(self.value),
-                                                  dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        attended = self.core(heads(self.query), heads(self.key), heads(self.value))
         merged = attended.transpose(1, 2).reshape(batch, time, -1)  # the local width, heads side by side
         return self.resid_dropout(self.proj(merged))
 

@@ -159,7 +159,8 @@ def _wrap(plain: nn.Module, mesh: Mesh | None, config: TrainConfig) -> ParallelW
         return STRATEGIES[config.strategy](plain, mesh, config)
     return parallelize(plain, mesh, zero=config.zero, schedule=config.schedule, microbatches=config.microbatches,
                        virtual_stages=config.virtual_stages, micro_batch_size=config.batch_size // config.microbatches,
-                       seq_len=plain.config.block_size, bucket_cap_mb=config.bucket_cap_mb, seed=config.seed)
+                       seq_len=plain.config.block_size, bucket_cap_mb=config.bucket_cap_mb, seed=config.seed,
+                       cp_strategy=config.cp_strategy, cp_layout=config.cp_layout)
 
 
 def train(config: TrainConfig) -> dict:
@@ -172,7 +173,7 @@ def train(config: TrainConfig) -> dict:
     world = dist.world_size()
     config.resolve(world)
     if config.three_d:
-        mesh = Mesh(dp=config.dp, tp=config.tp, pp=config.pp)
+        mesh = Mesh(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp)
     else:
         mesh = Mesh(dp=world) if dist.is_initialized() else None
     fault = _fault(config)
@@ -199,7 +200,9 @@ def train(config: TrainConfig) -> dict:
                                     replicated)
     tokens = config.batch_size * (config.gpt_config().block_size if config.model == "tiny-gpt" else 1)
     if dist.is_main():
-        layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}, {DP_WRAPPERS[config.zero]} over dp, "
+        layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}"
+                  + (f" x cp={config.cp} ({config.cp_strategy}, {config.cp_layout})" if config.cp > 1 else "")
+                  + f", {DP_WRAPPERS[config.zero]} over dp, "
                   f"{config.schedule} with {config.microbatches} micro-batch{'es' if config.microbatches > 1 else ''}"
                   if config.three_d
                   else config.strategy)
@@ -268,7 +271,7 @@ def train(config: TrainConfig) -> dict:
         batch.close()
     return {"rank": dist.rank(), "losses": history, "ms_per_step": 1e3 * seconds / max(1, len(history)),
             "communication": model.communication_per_step(), "memory": model.memory_breakdown(),
-            "checksum": checksum, "coords": mesh.coords() if mesh else {"pp": 0, "dp": 0, "tp": 0},
+            "checksum": checksum, "coords": mesh.coords() if mesh else {"pp": 0, "dp": 0, "cp": 0, "tp": 0},
             "local_rank": dist.local_rank(), "node": int(os.environ.get("GROUP_RANK", "0")),
             "trace": spans,  # --trace: every rank's spans of the last step, on rank 0
             "alarms": [alarm.message for alarm in watch.alarms]}

@@ -49,6 +49,9 @@ class TrainConfig:
     dp: int | None = None  # 3D parallelism (any of dp, tp, pp given): the mesh's degrees
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None  # context parallelism: each sequence split over cp ranks (labkit.parallel.context)
+    cp_strategy: str = "ring"  # or "all_gather" (Llama 3), "ulysses" (all-to-all)
+    cp_layout: str = "zigzag"  # or "contiguous" (the causal imbalance, for comparison)
     zero: int = 0  # 3D: the data-parallel wrapper, 0 DDP, 1/2 ZeRO-1/2, 3 FSDP
     schedule: str = "1f1b"
     microbatches: int | None = None  # per step; default 2 pp (1 without a pipeline)
@@ -71,7 +74,7 @@ class TrainConfig:
 
     @property
     def three_d(self) -> bool:
-        return any(degree is not None for degree in (self.dp, self.tp, self.pp))
+        return any(degree is not None for degree in (self.dp, self.tp, self.pp, self.cp))
 
     def gpt_config(self) -> GPTConfig:
         """The model's config; a pipeline of several stages cannot tie the embedding to the head."""
@@ -121,20 +124,25 @@ class TrainConfig:
         then check the layout against ``world_size`` (``ValueError`` naming what does not fit)."""
         if not self.three_d:
             return
-        tp, pp = self.tp or 1, self.pp or 1
-        for name, value in (("tp", tp), ("pp", pp), ("dp", self.dp or 1)):
+        tp, pp, cp = self.tp or 1, self.pp or 1, self.cp or 1
+        for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", self.dp or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name} must be an integer >= 1, got {value!r}")
         if self.dp is None:
-            if world_size % (tp * pp):
-                raise ValueError(f"--tp {tp} * --pp {pp} = {tp * pp} does not divide the {world_size} ranks, so "
-                                 "no data-parallel degree fits")
-            self.dp = world_size // (tp * pp)
-        self.tp, self.pp = tp, pp
+            if world_size % (tp * pp * cp):
+                raise ValueError(f"--tp {tp} * --pp {pp} * --cp {cp} = {tp * pp * cp} does not divide the "
+                                 f"{world_size} ranks, so no data-parallel degree fits")
+            self.dp = world_size // (tp * pp * cp)
+        self.tp, self.pp, self.cp = tp, pp, cp
         self.microbatches = self.default_microbatches()
-        check_3d(self.gpt_config(), self.dp, tp, pp, zero=self.zero, schedule=self.schedule,
-                 microbatches=self.microbatches, virtual_stages=self.virtual_stages, batch_size=self.batch_size,
-                 world_size=world_size)
+        self._check_layout(world_size)
+
+    def _check_layout(self, world_size: int | None = None) -> None:
+        config = self.gpt_config()
+        check_3d(config, self.dp or 1, self.tp or 1, self.pp or 1, zero=self.zero, schedule=self.schedule,
+                 microbatches=self.default_microbatches(), virtual_stages=self.virtual_stages,
+                 batch_size=self.batch_size, world_size=world_size, cp=self.cp or 1, cp_strategy=self.cp_strategy,
+                 cp_layout=self.cp_layout, seq_len=config.block_size)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value, before any process starts."""
@@ -194,11 +202,11 @@ class TrainConfig:
                 raise ValueError(f"--dp/--tp/--pp split a transformer: use --model tiny-gpt, not {self.model}")
             if self.checkpoint_layout != "full":
                 raise ValueError("a 3D run saves the full checkpoint layout only (--checkpoint-layout full)")
-            check_3d(self.gpt_config(), self.dp or 1, self.tp or 1, self.pp or 1, zero=self.zero,
-                     schedule=self.schedule, microbatches=self.default_microbatches(),
-                     virtual_stages=self.virtual_stages, batch_size=self.batch_size)
+            self._check_layout()
         elif (self.zero, self.schedule, self.microbatches) != (0, "1f1b", None):
             raise ValueError("--zero, --schedule and --microbatches belong to 3D runs: give --dp/--tp/--pp too")
+        elif (self.cp_strategy, self.cp_layout) != ("ring", "zigzag"):
+            raise ValueError("--cp-strategy and --cp-layout belong to context-parallel runs: give --cp too")
 
 
 def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
@@ -222,6 +230,10 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--dp", type=int, default=None, help="3D: data-parallel degree (default: what is left)")
     parser.add_argument("--tp", type=int, default=None, help="3D: tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=None, help="3D: pipeline stages (ranks; default 1)")
+    parser.add_argument("--cp", type=int, default=None,
+                        help="context parallelism: each sequence split over CP ranks (default 1)")
+    parser.add_argument("--cp-strategy", default="ring", help="with --cp: ring, all_gather or ulysses")
+    parser.add_argument("--cp-layout", default="zigzag", help="with --cp: zigzag (balanced) or contiguous")
     parser.add_argument("--zero", type=int, default=0, help="3D: over dp, 0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP")
     parser.add_argument("--schedule", default="1f1b", help=f"3D: pipeline schedule, one of {', '.join(SCHEDULES)}")
     parser.add_argument("--microbatches", type=int, default=None,
@@ -253,8 +265,9 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
         nprocs = args.nprocs
     elif config.three_d:
         if None in (config.dp, config.tp, config.pp) and not dist.in_torchrun():
-            raise ValueError("a 3D run needs --nprocs N (or all of --dp, --tp and --pp, whose product it is)")
-        nprocs = (config.dp or 1) * (config.tp or 1) * (config.pp or 1)
+            raise ValueError("a 3D run needs --nprocs N (or all of --dp, --tp and --pp, whose product, times --cp, "
+                             "it is)")
+        nprocs = (config.dp or 1) * (config.tp or 1) * (config.pp or 1) * (config.cp or 1)
     else:
         nprocs = 1 if config.strategy == "single" else 2
     if nprocs < 1:

@@ -1,10 +1,12 @@
-"""Context parallelism (``labkit.parallel.context``) on 2 and 4 gloo ranks against one process.
+"""Context parallelism (``labkit.parallel.context``) on 2, 4 and 8 gloo ranks against one process.
 
 One launch per ``cp`` runs every case on every rank: ring, all-gather and Ulysses, contiguous and zig-zag,
 causal and not, in fp64.  Each rank compares its share of the output and of the gradients of q, k and v with
 torch's ``scaled_dot_product_attention`` over the whole sequence (to 1e-10), its log of messages with
 ``labkit.costmodel.context.cp_messages`` byte for byte, and the tiles its kernel computed with the layout's
 causal work (``ring_tiles``): equal on every rank under zig-zag, growing with the rank under the contiguous split.
+Then TinyGPT with cp in the mesh (``parallelize``), composed with dp, tp, pp, ZeRO and FSDP: the loss and the final
+weights of one process, and the bytes it predicts; and ``labkit.train --cp``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit.costmodel import context as model
 from labkit.launch import launch
+from labkit.mesh import Mesh
+from labkit.models import GPTConfig, TinyGPT
 from labkit.parallel.context import (
     LAYOUTS,
     STRATEGIES,
@@ -27,6 +32,8 @@ from labkit.parallel.context import (
     ring_tiles,
     shard_sequence,
 )
+from labkit.parallel.parallelize import check_3d, parallelize
+from labkit.train_config import parse_arguments
 
 BATCH, HEADS, DIM, BLOCK = 2, 4, 8, 4
 
@@ -75,3 +82,102 @@ def test_every_strategy_and_layout_equals_one_process_and_sends_what_the_model_s
         contiguous = [next(r["tiles"] for r in results if r["case"] == (strategy, "contiguous", True))
                       for results in per_rank]
         assert len(set(zigzag)) == 1 and contiguous == sorted(contiguous) and contiguous[0] < contiguous[-1]
+
+
+# --------------------------------------------------------------------------------------------------------
+# TinyGPT with cp in the mesh: parallelize and labkit.train
+
+GPT = GPTConfig.preset("100k", tie_weights=False)
+STEPS, SEQUENCES, MICRO, LR = 2, 4, 2, 0.3
+# (dp, tp, pp, cp, zero, schedule, cp strategy, layout, sequence length): every strategy and layout, sequence
+# lengths that 2 cp divides and ones it does not (61, 60: padded at the end), with TP, PP, ZeRO, FSDP and ZB-H1.
+LAYOUTS_4D = {
+    2: [(1, 1, 1, 2, 0, "1f1b", "ring", "zigzag", 61), (1, 1, 1, 2, 0, "1f1b", "ulysses", "contiguous", 64)],
+    4: [(1, 1, 1, 4, 0, "1f1b", "ring", "zigzag", 61), (1, 1, 1, 4, 0, "1f1b", "all_gather", "zigzag", 64),
+        (1, 1, 1, 4, 0, "1f1b", "ulysses", "zigzag", 60), (2, 1, 1, 2, 2, "1f1b", "ring", "contiguous", 64)],
+    8: [(2, 2, 1, 2, 0, "1f1b", "ring", "zigzag", 64), (1, 2, 2, 2, 0, "1f1b", "ulysses", "zigzag", 61),
+        (2, 1, 2, 2, 3, "gpipe", "all_gather", "zigzag", 64), (1, 1, 2, 4, 1, "zb-h1", "ring", "zigzag", 64)],
+}
+
+
+def _gpt_batch(step: int, dp_rank: int, dp: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(GPT.vocab_size, (dp * SEQUENCES, seq_len + 1), generator=generator)
+    rows = ids[dp_rank * SEQUENCES:(dp_rank + 1) * SEQUENCES]
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _one_process(dp: int, seq_len: int) -> tuple[list[float], dict]:
+    model = TinyGPT(GPT, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        parts = [_gpt_batch(step, rank, dp, seq_len) for rank in range(dp)]
+        _, loss = model(torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _train_4d(layouts: list[tuple]) -> list[dict]:
+    out = []
+    for dp, tp, pp, cp, zero, schedule, strategy, layout, seq_len in layouts:
+        torch.manual_seed(0)
+        mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp)
+        model = parallelize(TinyGPT(GPT, seed=0), mesh, zero=zero, schedule=schedule, microbatches=MICRO,
+                            micro_batch_size=SEQUENCES // MICRO, seq_len=seq_len, cp_strategy=strategy,
+                            cp_layout=layout)
+        optimizer = model.make_optimizer(torch.optim.SGD, lr=LR, momentum=0.9)
+        losses = []
+        for step in range(STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(model.forward_backward(*_gpt_batch(step, mesh.rank("dp"), dp, seq_len)).item())
+            optimizer.step()
+        full = model.full_state_dict()
+        out.append({"losses": losses, "full": full if dist.get_rank() == 0 else None,
+                    "communication": model.communication_per_step(), "predicted": model.predicted_communication()})
+    return out
+
+
+@pytest.mark.parametrize("world_size", sorted(LAYOUTS_4D))
+def test_tinygpt_with_cp_in_the_mesh_trains_as_one_process_and_sends_what_it_predicts(world_size):
+    per_rank = launch(_train_4d, LAYOUTS_4D[world_size], nprocs=world_size, timeout=300, rank_output="none")
+    for index, layout in enumerate(LAYOUTS_4D[world_size]):
+        dp, seq_len = layout[0], layout[-1]
+        losses, state = _one_process(dp, seq_len)
+        reported = per_rank[0][index]["losses"]
+        assert all(rank[index]["losses"] == reported for rank in per_rank[1:] if dp == 1), layout
+        mean = [sum(rank[index]["losses"][step] for rank in per_rank) / world_size for step in range(STEPS)]
+        assert mean == pytest.approx(losses, abs=1e-5, rel=0), layout
+        full = per_rank[0][index]["full"]
+        worst = max((full[name] - state[name]).abs().max().item() for name in state)
+        assert set(full) == set(state) and worst < 1e-6, (layout, worst)
+        for rank in per_rank:
+            assert rank[index]["communication"] == rank[index]["predicted"], layout
+            assert any(kind.startswith("cp ") for kind in rank[index]["communication"]), layout
+
+
+def test_the_trainer_with_cp_reads_what_data_parallelism_alone_reads(tmp_path):
+    """--cp 2 on 4 ranks: each pair of cp ranks splits the sequences that dp rank reads, so the losses are those of
+    --dp 2 on 2 ranks, step for step; a bad --cp is refused before any process starts."""
+    from labkit.train import TrainConfig
+    from tests.test_parallelize import _train
+
+    with_cp = TrainConfig(dp=2, tp=1, pp=1, cp=2, steps=3, batch_size=4, log_every=100)
+    alone = TrainConfig(dp=2, tp=1, pp=1, steps=3, batch_size=4, log_every=100)
+    four = launch(_train, [with_cp], nprocs=4, timeout=300, rank_output="none")
+    two = launch(_train, [alone], nprocs=2, timeout=300, rank_output="none")
+    for rank, result in enumerate(four):  # ranks 0, 1 hold dp rank 0's sequences, ranks 2, 3 dp rank 1's
+        assert result[0]["losses"] == pytest.approx(two[rank // 2][0]["losses"], abs=1e-5, rel=0), rank
+    with pytest.raises(ValueError, match="Ulysses needs the heads to divide over the cp ranks: 4 heads, cp=3"):
+        parse_arguments(["--cp", "3", "--cp-strategy", "ulysses", "--nprocs", "3"])
+    with pytest.raises(ValueError, match="cp_strategy must be one of"):
+        parse_arguments(["--cp", "2", "--cp-strategy", "tree", "--nprocs", "2"])
+    with pytest.raises(ValueError, match="--cp-strategy and --cp-layout belong to context-parallel runs"):
+        parse_arguments(["--cp-layout", "contiguous"])
+    with pytest.raises(ValueError, match="context parallelism here needs dropout=0"):
+        check_3d(GPTConfig.preset("100k", dropout=0.1), 1, 1, 1, cp=2)
+    with pytest.raises(ValueError, match="leaves rank 3 only padding"):
+        check_3d(GPT, 1, 1, 1, cp=4, seq_len=3)

@@ -23,11 +23,11 @@ from labkit.mesh import DIMS, Mesh, describe_layout, mesh_coordinates, mesh_grou
 from labkit.parallel.ddp import DistributedDataParallel
 from tests.conftest import REPO
 
-LAYOUTS = {  # world size -> (dp, tp, pp) meshes built on it
-    1: [(1, 1, 1)],
-    2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
-    4: [(4, 1, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4)],
-    8: [(2, 2, 2), (1, 4, 2), (2, 4, 1), (8, 1, 1)],
+LAYOUTS = {  # world size -> (dp, tp, pp, cp) meshes built on it
+    1: [(1, 1, 1, 1)],
+    2: [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)],
+    4: [(4, 1, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 2, 1), (1, 1, 4, 1), (2, 1, 1, 2), (1, 2, 1, 2)],
+    8: [(2, 2, 2, 1), (1, 4, 2, 1), (2, 4, 1, 1), (8, 1, 1, 1), (2, 1, 2, 2), (1, 2, 2, 2)],
 }
 
 
@@ -35,19 +35,30 @@ LAYOUTS = {  # world size -> (dp, tp, pp) meshes built on it
 # The layout, without any process group
 
 
-def test_coordinates_are_the_grid_arange_world_view_pp_dp_tp():
+def test_coordinates_are_the_grid_arange_world_view_pp_dp_cp_tp():
     for world_size, layouts in LAYOUTS.items():
-        for dp, tp, pp in layouts:
-            grid = torch.arange(world_size).view(pp, dp, tp)
-            for rank, coords in enumerate(mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp)):
+        for dp, tp, pp, cp in layouts:
+            grid = torch.arange(world_size).view(pp, dp, cp, tp)
+            for rank, coords in enumerate(mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp, cp=cp)):
                 assert list(coords) == list(DIMS)
-                assert grid[coords["pp"], coords["dp"], coords["tp"]].item() == rank, (dp, tp, pp, rank)
+                assert grid[coords["pp"], coords["dp"], coords["cp"], coords["tp"]].item() == rank, (dp, tp, pp, rank)
+
+
+def test_cp_sits_between_dp_and_tp_and_dp_cp_flattens_the_two():
+    groups = mesh_groups(8, dp=2, tp=1, pp=2, cp=2)
+    assert groups["cp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp_cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert mesh_groups(8, tp=2, cp=4)["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # tp stays innermost
+    text = describe_layout(dp=2, pp=2, cp=2)
+    assert text.splitlines()[0].split() == ["rank", "pp", "dp", "cp", "tp"] and "cp groups: [0, 1] [2, 3]" in text
 
 
 def test_tp_groups_are_neighbouring_ranks_and_pp_groups_span_the_farthest():
     groups = mesh_groups(8, dp=2, tp=2, pp=2)
     assert groups == {"pp": [[0, 4], [1, 5], [2, 6], [3, 7]], "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-                      "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+                      "tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "cp": [[rank] for rank in range(8)],
+                      "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]]}
     for dp, tp, pp in [(2, 4, 2), (1, 8, 2), (4, 2, 2)]:
         for group in mesh_groups(dp * tp * pp, dp=dp, tp=tp, pp=pp)["tp"]:
             assert group == list(range(group[0], group[0] + tp))  # one node's worth of adjacent ranks
@@ -69,6 +80,7 @@ def test_describe_layout_shows_every_rank_and_every_group():
 
 @pytest.mark.parametrize(("sizes", "message"), [
     ({"dp": 3}, r"dp=3 \* tp=1 \* pp=1 = 3, but the world size is 4"),
+    ({"dp": 2, "cp": 3}, r"dp \* cp \* tp \* pp must equal .*dp=2 \* cp=3 \* tp=1 \* pp=1 = 6"),
     ({"dp": 2, "tp": 4}, r"= 8, but the world size is 4"),
     ({"dp": 0, "tp": 4}, "dp must be an integer >= 1.*got 0"),
     ({"tp": -2}, "tp must be .*got -2"),
@@ -97,13 +109,14 @@ def _probe(mesh: Mesh) -> dict:
     """What the Mesh says, and what collectives over its groups do."""
     rank = dist.get_rank()
     found = {"coords": mesh.coords(), "repr": repr(mesh)}
-    for dim in DIMS:
+    for dim in (*DIMS, "dp_cp"):
         group = mesh.group(dim)
         everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
         dist.all_gather(everyone, torch.tensor([rank]), group=group)
         total = torch.tensor([rank])
         dist.all_reduce(total, group=group)
-        found[dim] = {"rank": mesh.rank(dim), "size": mesh.size(dim), "ranks": mesh.ranks(dim),
+        found[dim] = {"rank": mesh.rank(dim) if dim in DIMS else None,
+                      "size": mesh.size(dim) if dim in DIMS else None, "ranks": mesh.ranks(dim),
                       "gathered": [int(t) for t in everyone], "sum": int(total)}
     return found
 
@@ -174,19 +187,20 @@ def reports() -> dict[int, list[dict]]:
 
 
 def _check_probes(per_rank: list[dict], world_size: int, layouts: list[tuple[int, int, int]]) -> None:
-    for dp, tp, pp in layouts:
-        expected_coords = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp)
-        expected_groups = mesh_groups(world_size, dp=dp, tp=tp, pp=pp)
+    for dp, tp, pp, cp in layouts:
+        expected_coords = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
+        expected_groups = mesh_groups(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
         for rank, report in enumerate(per_rank):
-            found = report["meshes"][dp, tp, pp]
-            where = f"Mesh(dp={dp}, tp={tp}, pp={pp}), rank {rank}/{world_size}"
+            found = report["meshes"][dp, tp, pp, cp]
+            where = f"Mesh(dp={dp}, tp={tp}, pp={pp}, cp={cp}), rank {rank}/{world_size}"
             assert found["coords"] == expected_coords[rank], where
-            assert found["repr"] == f"Mesh(dp={dp}, tp={tp}, pp={pp})"
-            for dim, size in (("dp", dp), ("tp", tp), ("pp", pp)):
+            assert found["repr"] == f"Mesh(dp={dp}, tp={tp}, pp={pp}" + (f", cp={cp})" if cp > 1 else ")")
+            for dim, size in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("dp_cp", None)):
                 (group,) = [group for group in expected_groups[dim] if rank in group]
                 probe = found[dim]
-                assert probe["rank"] == expected_coords[rank][dim] == group.index(rank), (where, dim)
-                assert probe["size"] == size, (where, dim)
+                if size is not None:
+                    assert probe["rank"] == expected_coords[rank][dim] == group.index(rank), (where, dim)
+                    assert probe["size"] == size, (where, dim)
                 assert probe["ranks"] == probe["gathered"] == group, (where, dim, probe)
                 assert probe["sum"] == sum(group), (where, dim, probe)
 
@@ -209,12 +223,12 @@ def test_bad_sizes_raise_on_every_rank_before_any_group_is_made(reports, world_s
         assert "tp must be an integer >= 1" in errors[str({"tp": 0})]
         assert errors["groups_made"] == 0 and errors["groups_made_by_a_good_mesh"] == 1
         for dim in ("ep", "DP", 0):
-            assert f"got {dim!r}" in errors[repr(dim)] and "'dp', 'tp', 'pp'" in errors[repr(dim)]
+            assert f"got {dim!r}" in errors[repr(dim)] and "'pp', 'dp', 'cp', 'tp'" in errors[repr(dim)]
 
 
 def test_describe_names_this_rank_and_lists_every_rank(reports):
     text = reports[8][3]["describe"]
-    assert text.startswith("Mesh(dp=2, tp=2, pp=2) over 8 ranks (gloo, cpu); rank 3 is at pp=0, dp=1, tp=1\n")
+    assert text.startswith("Mesh(dp=2, tp=2, pp=2) over 8 ranks (gloo, cpu); rank 3 is at pp=0, dp=1, cp=0, tp=1\n")
     assert text.endswith(describe_layout(dp=2, tp=2, pp=2))
 
 

@@ -97,6 +97,8 @@ def test_plot_mesh_outlines_and_links_exactly_the_highlighted_ranks_groups(dp, t
     figure = plot_mesh(dp, tp, pp, gpus_per_node=gpus_per_node, highlight_rank=rank)
     centres = {_centre(_patches(figure, f"rank {other}")[0]): other for other in range(dp * tp * pp)}
     for dim, groups in mesh_groups(dp * tp * pp, dp=dp, tp=tp, pp=pp).items():
+        if dim not in ("tp", "dp", "pp"):  # the picture draws 3D's three dimensions
+            continue
         (group,) = [group for group in groups if rank in group]
         outlined = sorted(centres[_centre(patch)] for patch in _patches(figure, f"{dim} group"))
         assert outlined == (sorted(group) if len(group) > 1 else [])

@@ -5,7 +5,7 @@ in turn, builds :func:`labkit.parallel.parallelize.parallelize` of one ``TinyGPT
 way ``labkit.train`` runs them: fp32, DDP over dp, 1F1B over ``2 pp`` micro-batches (one without a pipeline),
 the data-parallel reduction after the schedule, AdamW.  A step's time is the slowest rank's (a barrier before
 each); the median over ``steps`` after two warm-up steps is reported, with one traced step split into its parts
-(:func:`~labkit.parallel.parallelize.step_breakdown`, the mean over ranks) and the bytes each dimension's
+(:func:`step_breakdown`, the mean over ranks) and the bytes each dimension's
 collectives moved.  ``benchmarks/bench_3d.py`` and notebook 11 both call it.
 """
 
@@ -24,7 +24,8 @@ from labkit.data import MarkovChain, batches
 from labkit.launch import launch
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
-from labkit.parallel.parallelize import PARTS, parallelize, step_breakdown
+from labkit.parallel.parallelize import parallelize
+from labkit.parallel.step_parts import PARTS, step_breakdown
 
 LR = 3e-4
 

@@ -7,8 +7,12 @@ The three are applied in the order torchtitan applies them, each inside the grou
    this rank keeps its own, ``r, r + p, ...`` for pp-rank ``r``;
 2. **tensor** (tp): each of those stages is split over the ``t`` ranks of the tp group
    (:class:`~labkit.parallel.tensor.TensorParallel`: heads, MLP columns and rows, the vocabulary);
-3. **data** (dp): the ``d`` ranks that hold the same piece of the same stages are replicas: DDP (``zero=0``),
-   ZeRO-1 or ZeRO-2 around this rank's stages, or FSDP (``zero=3``) around its one stage, over the dp group.
+3. **context** (cp, when the mesh has ``cp > 1``): every stage's attention runs over the cp group, each rank
+   holding ``s / cp`` of every sequence (:mod:`labkit.parallel.context.model`: ring, all-gather or Ulysses,
+   ``cp_strategy``; contiguous or zig-zag, ``cp_layout``);
+4. **data** (dp): the ranks that hold the same piece of the same stages are replicas: DDP (``zero=0``),
+   ZeRO-1 or ZeRO-2 around this rank's stages, or FSDP (``zero=3``) around its one stage, over the dp group,
+   or with cp the ``dp x cp`` group (``Mesh.group("dp_cp")``: the cp ranks of a sequence hold the same weights).
 
 One training step is a pipeline schedule (GPipe, 1F1B, interleaved 1F1B or ZB-H1) over ``m`` micro-batches of
 the data-parallel rank's batch, run by :func:`~labkit.parallel.pipeline.run_schedule`.  Every wrapper runs with
@@ -23,6 +27,7 @@ dimension  what                                                                 
 =========  ====================================================================  ==========================
 tp         ``b s h`` activations, all-reduced 2x forward and 2x backward a layer  every micro-batch, blocking
 pp         ``b s h`` activations to the next stage, their gradients back          every micro-batch, p2p
+cp         K/V blocks round the ring (or all-gathered, or all-to-all'd)           every attention, overlapped
 dp         this rank's gradients (``Psi / (t p)``), all-reduced or scattered      once a step, after the last B
 =========  ====================================================================  ==========================
 
@@ -47,9 +52,8 @@ all of this rank's stages, so they run with every schedule.
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,17 +61,22 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit import trace
+from labkit.costmodel.context import cp_messages
 from labkit.dist import global_rank
 from labkit.mesh import Mesh, _check_degrees
 from labkit.models import GPTConfig, TinyGPT
 from labkit.parallel import parallelize_state as threed_state
 from labkit.parallel.base import ParallelWrapper, Piece
+from labkit.parallel.context.attention import ContextParallelGroup
+from labkit.parallel.context.layout import check_sequence
+from labkit.parallel.context.model import apply_context_parallel, check_context_parallel, shard_batch
 from labkit.parallel.ddp import DistributedDataParallel
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.pipeline import schedule as schedules
 from labkit.parallel.pipeline.runtime import run_schedule
 from labkit.parallel.pipeline.simulate import Timeline
 from labkit.parallel.pipeline.stage import PipelineStage, split_stages
+from labkit.parallel.step_parts import PARTS, step_breakdown  # noqa: F401 (lesson 10 imports them from here)
 from labkit.parallel.tensor.transformer import TensorParallel, check_tensor_parallel_sizes
 from labkit.parallel.zero import ZeroDataParallel
 
@@ -83,16 +92,21 @@ DP_WRAPPERS = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
 
 def check_3d(config: GPTConfig, dp: int, tp: int, pp: int, *, zero: int = 0, schedule: str = "1f1b",
              microbatches: int = 1, virtual_stages: int = 1, batch_size: int | None = None,
-             seq_len: int | None = None, world_size: int | None = None) -> schedules.Schedule:
-    """Every check of a 3D layout that needs no process group; returns the step's schedule.
+             seq_len: int | None = None, world_size: int | None = None, cp: int = 1, cp_strategy: str = "ring",
+             cp_layout: str = "zigzag") -> schedules.Schedule:
+    """Every check of a 3D (or, with ``cp > 1``, 4D) layout that needs no process group; returns the step's
+    schedule.
 
     ``batch_size`` is one data-parallel replica's batch (cut into ``microbatches``); ``virtual_stages`` (``v``)
     is the number of stages per pp-rank, used by ``"interleaved"`` only.  Raises ``ValueError`` naming the value.
     """
-    degrees = _check_degrees(dp, tp, pp)
-    if world_size is not None and dp * tp * pp != world_size:
-        raise ValueError(f"dp * tp * pp must equal the number of ranks: {dp} * {tp} * {pp} = {dp * tp * pp}, "
+    degrees = _check_degrees(dp, tp, pp, cp)
+    if world_size is not None and dp * cp * tp * pp != world_size:
+        named = "dp * tp * pp" if cp == 1 else "dp * cp * tp * pp"
+        values = " * ".join(str(degrees[d]) for d in ("dp", "cp", "tp", "pp") if d != "cp" or cp > 1)
+        raise ValueError(f"{named} must equal the number of ranks: {values} = {dp * cp * tp * pp}, "
                          f"but there are {world_size} (choose degrees whose product is {world_size})")
+    check_context_parallel(config, cp, tp, cp_strategy, cp_layout, seq_len)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
@@ -137,7 +151,8 @@ class Parallel3D(ParallelWrapper):
 
     def __init__(self, model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1f1b",
                  microbatches: int = 1, virtual_stages: int = 2, micro_batch_size: int, seq_len: int,
-                 bucket_cap_mb: float = 25.0, seed: int | None = None, overlap_dp: bool = False):
+                 bucket_cap_mb: float = 25.0, seed: int | None = None, overlap_dp: bool = False,
+                 cp_strategy: str = "ring", cp_layout: str = "zigzag"):
         if not isinstance(model, TinyGPT):
             raise TypeError(f"parallelize splits a labkit.models.TinyGPT, got {type(model).__name__}")
         if not isinstance(mesh, Mesh):
@@ -147,17 +162,23 @@ class Parallel3D(ParallelWrapper):
         config = model.config
         plan = check_3d(config, mesh.dp, mesh.tp, mesh.pp, zero=zero, schedule=schedule, microbatches=microbatches,
                         virtual_stages=virtual_stages, batch_size=micro_batch_size * microbatches, seq_len=seq_len,
-                        world_size=dist.get_world_size())
+                        world_size=dist.get_world_size(), cp=mesh.cp, cp_strategy=cp_strategy,
+                        cp_layout=cp_layout)
         stage_indices = list(range(mesh.rank("pp"), plan.stages, mesh.pp))
-        # 1. the pipeline's cut, 2. tensor parallelism inside each stage
+        # 1. the pipeline's cut, 2. tensor parallelism inside each stage, 3. context parallelism of attention
         tensor_parallel = [TensorParallel(_stage_module(model, s, plan.stages), mesh.group("tp"), seed=seed)
                            for s in stage_indices]
+        self.context_parallel = ContextParallelGroup(mesh.group("cp"), cp_layout) if mesh.cp > 1 else None
+        self.cp_strategy = cp_strategy
+        for tp in tensor_parallel if self.context_parallel else []:
+            apply_context_parallel(tp.module, self.context_parallel, seq_len, cp_strategy)
         super().__init__(nn.ModuleList(tensor_parallel), None)
         self.schedule, self.stage_indices, self.tensor_parallel = plan, stage_indices, tensor_parallel
         self.mesh, self.zero, self.config, self.overlap_dp = mesh, zero, config, bool(overlap_dp)
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
-        # 3. data parallelism around them: one wrapper over this rank's stages (FSDP: its one stage)
-        dp_group = mesh.group("dp")
+        local_len = check_sequence(seq_len, mesh.cp, cp_layout) // mesh.cp  # this rank's tokens of a sequence
+        # 4. data parallelism around them, over the ranks that hold the same weights: dp x cp (FSDP: one stage)
+        dp_group = mesh.group("dp_cp")
         if zero == 3:
             self.data_parallel: ParallelWrapper = FullyShardedDataParallel(self.tensor_parallel[0], group=dp_group)
             runs = [self.data_parallel]
@@ -168,7 +189,7 @@ class Parallel3D(ParallelWrapper):
                                                                      group=dp_group))
             runs = self.tensor_parallel
         self.stages = [PipelineStage(run, s, self.schedule.stages, mesh, micro_batch_size=micro_batch_size,
-                                     seq_len=seq_len, num_microbatches=self.schedule.m, hidden_size=config.n_embd)
+                                     seq_len=local_len, num_microbatches=self.schedule.m, hidden_size=config.n_embd)
                        for run, s in zip(runs, self.stage_indices, strict=True)]
         self.split = {name: spec for tp in self.tensor_parallel for name, spec in tp.split_parameters().items()}
         self.timeline: Timeline | None = None  # the last step's, when forward_backward(timeline=True)
@@ -197,8 +218,13 @@ class Parallel3D(ParallelWrapper):
         if tuple(inputs.shape) != expected or tuple(targets.shape) != expected:
             raise ValueError(f"inputs and targets must have shape (microbatches * micro_batch_size, seq_len) = "
                              f"{expected}, got {tuple(inputs.shape)} and {tuple(targets.shape)}")
+        weight = 1.0
+        if self.context_parallel is not None:  # this rank's chunks of every sequence (see context.model)
+            inputs, targets, weight = shard_batch(inputs, targets, self.mesh.cp, self.mesh.rank("cp"),
+                                                  self.context_parallel.layout)
+            self.context_parallel.log.clear()
         for stage in self.stages:
-            stage.loss_scale = float(loss_scale)
+            stage.loss_scale = float(loss_scale) * weight
         for wrapper in self._wrappers():
             wrapper.set_requires_gradient_sync(False)
         # overlap_dp, with one stage per rank and no split backward: the data-parallel reduction starts during the
@@ -221,6 +247,9 @@ class Parallel3D(ParallelWrapper):
         self.timeline = run.timeline
         pp = self.mesh.group("pp")
         loss = torch.tensor(run.loss if run.loss is not None else 0.0, device=self.stages[0].device)
+        if self.context_parallel is not None:  # the sequences' mean: every cp rank's share of it
+            loss *= weight / self.mesh.cp
+            dist.all_reduce(loss, group=self.mesh.group("cp"))
         if self.mesh.pp > 1:
             dist.broadcast(loss, src=global_rank(pp, self.mesh.pp - 1), group=pp)
         return loss
@@ -254,6 +283,8 @@ class Parallel3D(ParallelWrapper):
         for tp in self.tensor_parallel:
             found.update({f"tp {kind}": n for kind, n in tp.communication_per_step().items()})
         found.update({f"dp {kind}": n for kind, n in self.data_parallel.communication_per_step().items()})
+        for _, kind, n in self.context_parallel.log if self.context_parallel else []:
+            found[f"cp {kind}"] += n
         return dict(found)
 
     def predicted_communication(self) -> dict[str, int]:
@@ -265,6 +296,14 @@ class Parallel3D(ParallelWrapper):
         else:
             predicted = self.data_parallel.predicted_communication()
         found.update({f"dp {kind}": n for kind, n in predicted.items()})
+        if self.context_parallel is not None:  # one attention call per block held, per micro-batch
+            blocks = sum(len(tp.module.block_indices) for tp in self.tensor_parallel)
+            heads = self.config.n_head // self.mesh.tp
+            local = self.stages[0].activation_shape[1]
+            for _, kind, n in cp_messages(self.cp_strategy, self.mesh.cp, self.micro_batch_size, heads, local,
+                                          self.config.n_embd // self.config.n_head,
+                                          self.stages[0].dtype.itemsize):
+                found[f"cp {kind}"] += n * blocks * self.schedule.m
         return dict(found)
 
     def _root_gathers(self) -> int:
@@ -299,7 +338,7 @@ class Parallel3D(ParallelWrapper):
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
         grads = {name: g for name, g in self.gradients().items() if g is not None}
         device = self.stages[0].device
-        dp_copies = 1 if self.zero >= 2 else self.mesh.dp  # ZeRO-2 and FSDP hold disjoint pieces over dp
+        dp_copies = 1 if self.zero >= 2 else self.mesh.dp * self.mesh.cp  # ZeRO-2, FSDP: disjoint over dp x cp
         local = torch.zeros((), device=device)
         for name, g in grads.items():
             if norm_type == math.inf:
@@ -346,7 +385,8 @@ class Parallel3D(ParallelWrapper):
 
 def parallelize(model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1f1b", microbatches: int = 1,
                 virtual_stages: int = 2, micro_batch_size: int, seq_len: int, bucket_cap_mb: float = 25.0,
-                seed: int | None = None, overlap_dp: bool = False) -> Parallel3D:
+                seed: int | None = None, overlap_dp: bool = False, cp_strategy: str = "ring",
+                cp_layout: str = "zigzag") -> Parallel3D:
     """``model`` split over ``mesh``: pipeline stages over pp, tensor parallelism over tp, then DDP (``zero=0``),
     ZeRO-1/2 or FSDP (``zero=3``) over dp; see the module docstring.  A collective: every rank calls it with
     the same model (the same weights) and arguments.  ``schedule``: one of :data:`SCHEDULES`, over
@@ -356,49 +396,5 @@ def parallelize(model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1
     backward, start the data-parallel reduction during the last backward instead of after the schedule."""
     return Parallel3D(model, mesh, zero=zero, schedule=schedule, microbatches=microbatches,
                       virtual_stages=virtual_stages, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                      bucket_cap_mb=bucket_cap_mb, seed=seed, overlap_dp=overlap_dp)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Where a traced step's time went
-
-PARTS = ("compute", "tp communication", "bubble", "dp reduction", "optimizer", "other")
-_ACTION = re.compile(r"\d+[FBIW]\d+")  # a pipeline action's span: stage, kind, micro-batch (e.g. 1B3)
-_TP_COLLECTIVES = ("all_reduce ", "all_gather ", "reduce_scatter ")  # tensor parallelism's f and g
-
-
-def step_breakdown(spans: Sequence[trace.Span]) -> dict[int, dict[str, float]]:
-    """Per rank, the seconds of one traced step (``labkit.train --trace``, or :func:`labkit.trace.gather` around
-    :meth:`Parallel3D.forward_backward` and the optimizer step), split into :data:`PARTS`:
-
-    - ``compute``: the pipeline's F/B/I/W actions, less the tensor-parallel collectives inside them;
-    - ``tp communication``: those collectives (``f`` and ``g``, all-reduces, on the critical path);
-    - ``bubble``: the waits for a neighbouring stage's activation or gradient;
-    - ``dp reduction``: the data-parallel reduction after the schedule, or, overlapped with the last backward
-      (one stage per rank), the wait for it that DDP records at that backward's end; ``optimizer``: its step;
-    - ``other``: the rest of the step (from the rank's first span to its last): sends, Python, gathers.
-    """
-    by_rank: dict[int, list[trace.Span]] = {}
-    for span in spans:
-        by_rank.setdefault(span.rank, []).append(span)
-    result = {}
-    for rank, mine in sorted(by_rank.items()):
-        actions = [s for s in mine if s.kind == "compute" and _ACTION.fullmatch(s.name)]
-
-        def within(span: trace.Span, actions: list[trace.Span] = actions) -> bool:
-            return any(a.start_s <= span.start_s and span.end_s <= a.end_s for a in actions)
-
-        inside = [s for s in mine if s.kind == "comm" and s.name.startswith(_TP_COLLECTIVES) and within(s)]
-        # DP's wait at the end of an overlapped last backward (DDP records it) sits inside that action too
-        waits = [s for s in mine if s.kind == "idle" and s.name == "wait for gradients" and within(s)]
-        parts = {"compute": sum(a.seconds for a in actions) - sum(s.seconds for s in inside + waits),
-                 "tp communication": sum(s.seconds for s in inside),
-                 "bubble": sum(s.seconds for s in mine if s.kind == "bubble"),
-                 "dp reduction": sum(s.seconds for s in mine if s.kind == "comm" and s.name.startswith("dp "))
-                 + sum(s.seconds for s in waits),
-                 "optimizer": sum(s.seconds for s in mine if s.kind == "compute" and s.name == "optimizer step")}
-        step = max(s.end_s for s in mine) - min(s.start_s for s in mine)
-        parts["other"] = max(0.0, step - sum(parts.values()))
-        parts["step"] = step
-        result[rank] = parts
-    return result
+                      bucket_cap_mb=bucket_cap_mb, seed=seed, overlap_dp=overlap_dp, cp_strategy=cp_strategy,
+                      cp_layout=cp_layout)

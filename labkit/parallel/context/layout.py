@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from labkit.models import IGNORE_INDEX
+
 LAYOUTS = ("contiguous", "zigzag")
-IGNORE_INDEX = -100  # F.cross_entropy's default: padded targets are left out of the loss
 
 
 @dataclass
@@ -86,6 +87,19 @@ def padded_length(seq_len: int, cp: int, layout: str = "zigzag", *, causal: bool
         raise ValueError(f"a sequence of {seq_len} tokens does not split into {pieces} equal chunks "
                          f"(cp={cp}, {layout}), and non-causal attention cannot be padded (every query would "
                          f"attend to the padding): use a length divisible by {pieces}")
+    return padded
+
+
+def check_sequence(seq_len: int, cp: int, layout: str = "zigzag") -> int:
+    """The padded length of a causal ``seq_len``-token sequence over ``cp`` ranks, after checking that every rank
+    holds at least one real token (a rank of padding only would average its loss over nothing).  ``ValueError``
+    naming the numbers otherwise."""
+    padded = padded_length(seq_len, cp, layout)
+    for rank in range(cp):
+        if int(chunk_positions(padded, cp, rank, layout).min()) >= seq_len:
+            raise ValueError(f"a sequence of {seq_len} tokens over cp={cp} ranks ({layout}, padded to {padded}) "
+                             f"leaves rank {rank} only padding: use sequences of at least "
+                             f"{(cp - 1) * padded // (cp * chunks_per_rank(layout)) + 1} tokens, or a smaller cp")
     return padded
 
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.models import IGNORE_INDEX
 from labkit.parallel.tensor.ops import (
     TensorParallelGroup,
     copy_to_tensor_parallel,
@@ -217,18 +218,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if tp.size > 1:
             tp.all_reduce(sum_exp, "loss")
             tp.all_reduce(target_logit, "loss")
-        loss = (sum_exp.log() - target_logit).mean()
+        counted = targets.reshape(-1) != IGNORE_INDEX  # F.cross_entropy's ignore_index: padding is left out
+        loss = ((sum_exp.log() - target_logit) * counted).sum() / counted.sum()
         softmax = exp.div_(sum_exp[:, None])
-        ctx.save_for_backward(softmax, local_targets, outside)
+        ctx.save_for_backward(softmax, local_targets, outside, counted)
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        softmax, local_targets, outside = ctx.saved_tensors
+        softmax, local_targets, outside, counted = ctx.saved_tensors
         grad_logits = softmax.clone()
         rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
         grad_logits[rows, local_targets] -= (~outside).to(grad_logits.dtype)
-        grad_logits.mul_(grad / grad_logits.shape[0])
+        grad_logits.mul_(counted[:, None] * (grad / counted.sum()))
         return grad_logits.view(ctx.shape).to(ctx.dtype), None, None, None
 
 
@@ -238,7 +240,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     vocabulary (``[..., V_padded / t]``), equal to ``F.cross_entropy`` on the gathered ``[..., vocab_size]``
     logits; the logits are never gathered.  Forward all-reduces three vectors of one value per token: the
     largest logit, the sum of exponentials, the target's logit.  ``vocab_size`` (default: all the columns)
-    leaves the padding columns out."""
+    leaves the padding columns out.  Targets equal to ``-100`` (``F.cross_entropy``'s ``ignore_index``, a padded
+    sequence's end) are left out of the mean."""
     vocab_size = logits.shape[-1] * tp.size if vocab_size is None else vocab_size
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits of shape {tuple(logits.shape)} need targets of shape {tuple(logits.shape[:-1])}, "

@@ -66,6 +66,7 @@ class ParallelSelfAttention(nn.Module):
                  where: str):
         super().__init__()
         self.head_dim, self.dropout, self.rng = dense.head_dim, dense.dropout, rng
+        self.core = dense.core  # the attention itself, on this rank's heads (context parallelism replaces it)
         self.tp, self.sequence_parallel, self.where = tp, sequence_parallel, where
         self.query, self.key, self.value = (ColumnParallelLinear.from_dense(linear, tp, sequence_parallel, where)
                                             for linear in (dense.query, dense.key, dense.value))
@@ -81,8 +82,7 @@ class ParallelSelfAttention(nn.Module):
 
         dropout = self.dropout if self.training else 0.0
         with self.rng.fork() if dropout else contextlib.nullcontext():
-            attended = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), dropout_p=dropout,
-                                                      is_causal=True)
+            attended = self.core(heads(q), heads(k), heads(v))
         return self.resid_dropout(self.proj(attended.transpose(1, 2).reshape(batch, time, -1)))
 
 
