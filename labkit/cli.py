@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -177,7 +178,8 @@ def bench(args: argparse.Namespace) -> int:
 
 # What each column of ``labkit plan``'s table is (its legend, printed under it).
 PLAN_COLUMNS = (
-    ("layout", "dp x tp x pp: data-parallel replicas, tensor-parallel ways, pipeline stages; ZeRO-k: the stage "
+    ("layout", "dp x tp x pp: data-parallel replicas, tensor-parallel ways, pipeline stages; cp: ranks each sequence "
+               "is split over (context parallelism, tried when nothing fits without it); ZeRO-k: the stage "
                "over dp (0: plain DDP, 3: FSDP); b: the micro-batch, in sequences; recompute: activations "
                "recomputed; the pipeline schedule (v: stages per GPU, interleaved)"),
     ("step s", "the predicted step, in seconds: the sum of the six terms on the right"),
@@ -189,6 +191,7 @@ PLAN_COLUMNS = (
     ("pp send", "seconds the sends between pipeline stages add"),
     ("dp", "seconds of the data-parallel gradient reduction not hidden behind the backward"),
     ("zero", "seconds of ZeRO's and FSDP's all-gathers not hidden, and the slowdown of what hid them"),
+    ("cp", "seconds of context parallelism's K/V exchange not hidden behind attention (shown with cp > 1)"),
 )
 
 
@@ -196,13 +199,25 @@ def _plan_flags(args: argparse.Namespace) -> None:
     """``ValueError`` naming the flag, before the planner runs."""
     from labkit.costmodel import compute
 
-    for flag, value in (("--gpus", args.gpus), ("--global-batch", args.global_batch), ("--top", args.top)):
+    for flag, value in (("--gpus", args.gpus), ("--global-batch", args.global_batch), ("--top", args.top),
+                        ("--seq-len", args.seq_len or 1)):
         if value < 1:
             raise ValueError(f"{flag} must be an integer >= 1, got {value}")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency must be a fraction of the peak in (0, 1], got {args.efficiency}")
     if args.gpu not in compute.GPUS:
         raise ValueError(f"--gpu {args.gpu!r} is unknown; choose one of {', '.join(sorted(compute.GPUS))}")
+
+
+def _degrees(flag: str, text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; ``ValueError`` naming the flag otherwise."""
+    try:
+        degrees = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        degrees = ()
+    if not degrees or min(degrees) < 1:
+        raise ValueError(f"{flag} must be degrees >= 1 separated by commas, e.g. 1,2,4,8; got {text!r}")
+    return degrees
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -217,8 +232,11 @@ def plan(args: argparse.Namespace) -> int:
         if args.model not in memory.MODEL_SHAPES:
             raise ValueError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(memory.MODEL_SHAPES))}")
         shape = memory.TransformerShape.preset(args.model)
+        if args.seq_len is not None:
+            shape = dataclasses.replace(shape, seq_len=args.seq_len)
         cluster = planner.Cluster(compute.GPUS[args.gpu], args.gpus, efficiency)
-        result = planner.plan(shape, cluster, args.global_batch, top=args.top)
+        choices = {} if args.cp is None else {"context_parallel": _degrees("--cp", args.cp)}
+        result = planner.plan(shape, cluster, args.global_batch, top=args.top, **choices)
     except ValueError as error:
         print(f"labkit plan: {error}", file=sys.stderr)
         return 2
@@ -230,15 +248,17 @@ def plan(args: argparse.Namespace) -> int:
           f"allocator's fragmentation: lesson 04): {result.reason()}")
     if not result.candidates:
         return 1
-    parts = list(result.candidates[0].step.parts())
-    print(f"\n{'layout':<46} {'step s':>7} {'MFU':>5} {'GB/GPU':>6}  " + " ".join(f"{part:>8}" for part in parts))
+    parts = list(dict.fromkeys(part for candidate in result.candidates for part in candidate.step.parts()))
+    wide = max(46, *(len(candidate.layout.label()) for candidate in result.candidates))
+    print(f"\n{'layout':<{wide}} {'step s':>7} {'MFU':>5} {'GB/GPU':>6}  " + " ".join(f"{part:>8}" for part in parts))
     for candidate in result.candidates:
-        print(f"{candidate.layout.label():<46} {candidate.step.step_s:>7.3f} {candidate.mfu:>5.0%} "
+        print(f"{candidate.layout.label():<{wide}} {candidate.step.step_s:>7.3f} {candidate.mfu:>5.0%} "
               f"{candidate.memory['total'] / 1e9:>6.1f}  "
-              + " ".join(f"{seconds:>8.3f}" for seconds in candidate.step.parts().values()))
+              + " ".join(f"{candidate.step.parts().get(part, 0.0):>8.3f}" for part in parts))
     width = max(len(name) for name, _ in PLAN_COLUMNS)
     print("\n" + "\n".join(textwrap.fill(meaning, 110, initial_indent=f"{name:>{width}}  ",
-                                         subsequent_indent=" " * (width + 2)) for name, meaning in PLAN_COLUMNS))
+                                         subsequent_indent=" " * (width + 2))
+                           for name, meaning in PLAN_COLUMNS if name != "cp" or "cp" in parts))
     return 0
 
 
@@ -269,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--gpus", type=int, default=1024, help="GPUs in the cluster")
     plan_parser.add_argument("--global-batch", type=int, default=1536, help="sequences per step")
     plan_parser.add_argument("--top", type=int, default=10)
+    plan_parser.add_argument("--seq-len", type=int, default=None,
+                             help="tokens per sequence (default: the model's); long ones may need context parallelism")
+    plan_parser.add_argument("--cp", default=None, metavar="DEGREES",
+                             help="context-parallel degrees to try, e.g. 1,2,4,8 (default: none unless nothing fits)")
     plan_parser.add_argument("--efficiency", type=float, default=None,
                              help="fraction of peak the matrices reach (default: lesson 11's fitted one)")
     plan_parser.set_defaults(run=plan)

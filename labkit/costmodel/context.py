@@ -21,6 +21,22 @@ all-gather  all-gather of K/V (``2 N e cp`` out)              all-gather again, 
 Ulysses     all-to-all of q, k, v (``3 N e``), of out          all-to-all of dout, of dq, dk, dv
 ==========  ===============================================  ======================================
 
+**In a step** (:func:`cp_layer_seconds`, which :func:`labkit.costmodel.stages.chunk_costs` adds to every layer):
+the ring sends each of its ``cp - 1`` K/V blocks (with grouped-query attention, ``2 b (s / cp) h_kv / t``
+values) while the attention of the block in hand runs (``1 / cp`` of the rank's attention FLOPs), so only what
+outlasts it is exposed, plus the slowdown of the compute it hides behind; backward sends K/V and dK/dV per step
+beside twice the compute.  All-gather's gather (and backward its gather and reduce-scatter) and Ulysses'
+all-to-alls sit on the critical path.
+
+**Memory per GPU at long sequences** (:func:`playbook_memory`): the Ultra-Scale Playbook's figure of an 8B model
+("Memory Usage for 8B Model", section Context Parallelism; Tazi et al. 2025, https://huggingface.co/spaces/
+nanotron/ultrascale-playbook; its data read from the figure's HTML in the mirror ``lzx1413/ultra-scale-book``,
+``docs/fragments/cp_8Bmemoryusage.html``) counts bf16 weights and gradients (2 bytes each), Adam's two fp32
+moments (8 bytes, no fp32 master copy), all split by TP only, and Korthikanti et al.'s activations without the
+score matrix, ``s b h (10 + 24 / t)`` per layer without sequence parallelism, of the ``s / cp`` tokens a rank
+holds.  At 131,072 tokens an 8B model needs 544 GiB of activations on one GPU, 352 GiB with ``t = 2`` and 88
+GiB with ``t = 2, cp = 4``; ``tests/test_costmodel_context.py`` checks every bar of the figure.
+
 Through each rank's link (:func:`link_bytes`): a send is its size; an all-gather's output, a reduce-scatter's
 input and an all-to-all's input each put ``(cp - 1) / cp`` of themselves on the link.  Ring and all-gather move
 the same K/V bytes forward; the ring's go in ``cp - 1`` steps that hide behind the attention of the block in
@@ -30,6 +46,10 @@ hand when a block's compute outlasts its transfer (:func:`ring_exposed_seconds`)
 
 from __future__ import annotations
 
+from typing import Any
+
+from labkit.costmodel.collectives import LinkModel, ring_all_gather_cost, ring_reduce_scatter_cost
+from labkit.costmodel.shapes import korthikanti_layer_activation_bytes, num_parameters
 from labkit.parallel.context.layout import chunk_positions, padded_length
 
 KINDS_ON_LINK = ("send", "all_gather", "reduce_scatter", "all_to_all")
@@ -130,3 +150,51 @@ def ring_exposed_seconds(compute_s: float, transfer_s: float, cp: int) -> float:
     """The ring's communication left on the critical path in one pass: ``cp - 1`` steps, each hiding the next
     block's transfer behind the current block's compute (``transfer_s``, ``compute_s`` per step)."""
     return (cp - 1) * max(0.0, transfer_s - compute_s)
+
+
+def cp_layer_seconds(shape: Any, layout: Any, hardware: Any, link: LinkModel,
+                     value_bytes: int = 2) -> tuple[float, float]:
+    """``(forward, backward)`` seconds context parallelism adds to one layer of one micro-batch on the critical
+    path (module docstring): ``shape`` a ``TransformerShape``, ``layout`` a ``Layout`` (``cp``, ``cp_strategy``,
+    ``tp``, ``micro_batch``), ``hardware`` its ``flops``, ``overlap_slowdown`` and ``call_latency_s``, ``link``
+    the cp group's."""
+    cp, t, b = layout.cp, layout.tp, layout.micro_batch
+    if cp == 1:
+        return 0.0, 0.0
+    local = shape.seq_len / cp
+    kv_width = shape.hidden_size * shape.num_kv_heads / shape.num_heads / t
+    block = int(2 * b * local * kv_width) * value_bytes  # one rank's K and V
+    latency, slowdown = hardware.call_latency_s, hardware.overlap_slowdown
+    if layout.cp_strategy == "ring":
+        step = 4 * b * local * shape.seq_len * shape.hidden_size / t / hardware.flops / cp  # one block's products
+        send = link.alpha_s + block * link.beta_s_per_byte + latency
+
+        def exposed(transfer: float, compute: float) -> float:
+            return max(0.0, transfer - compute) + slowdown * min(transfer, compute)
+
+        return (cp - 1) * exposed(send, step), (cp - 1) * exposed(2 * send, 2 * step)
+    if layout.cp_strategy == "all_gather":
+        gather = ring_all_gather_cost(block * cp, cp, link, element_size=value_bytes).time_s + latency
+        scatter = ring_reduce_scatter_cost(block * cp, cp, link, element_size=value_bytes).time_s + latency
+        return gather, gather + scatter
+    if layout.cp_strategy == "ulysses":
+        q_width = shape.hidden_size / t
+
+        def all_to_all(nbytes: float) -> float:
+            return (cp - 1) * (link.alpha_s + nbytes / cp * link.beta_s_per_byte) + latency
+
+        qkv, out = b * local * (q_width + 2 * kv_width) * value_bytes, b * local * q_width * value_bytes
+        return all_to_all(qkv) + all_to_all(out), all_to_all(out) + all_to_all(qkv)
+    raise ValueError(f"cp_strategy must be 'ring', 'all_gather' or 'ulysses', got {layout.cp_strategy!r}")
+
+
+def playbook_memory(shape: Any, seq_len: int, tp: int = 1, cp: int = 1, micro_batch: int = 1) -> dict[str, float]:
+    """GiB per GPU the Ultra-Scale Playbook's 8B figure counts (module docstring): ``{"parameters",
+    "gradients", "optimizer_states", "activations", "total"}`` for ``shape`` at ``seq_len`` tokens."""
+    gib = 2 ** 30
+    weights = num_parameters(shape) / tp
+    per_layer = korthikanti_layer_activation_bytes(seq_len // cp, micro_batch, shape.hidden_size,
+                                                   shape.num_heads, tp, attention_matrix=False)
+    parts = {"parameters": 2 * weights / gib, "gradients": 2 * weights / gib, "optimizer_states": 8 * weights / gib,
+             "activations": shape.num_layers * per_layer / gib}
+    return {**parts, "total": sum(parts.values())}

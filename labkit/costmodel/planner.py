@@ -36,12 +36,14 @@ candidate needed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from labkit.costmodel import hardware
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPU, mfu, model_flops_per_step
+from labkit.costmodel.context import cp_buffer_bytes
 from labkit.costmodel.memory import TransformerShape, activation_bytes, memory_per_rank
 from labkit.costmodel.stages import chunk_layers, rank_parameters
 from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
@@ -155,9 +157,14 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
     :func:`~labkit.costmodel.memory.memory_per_rank`), whole gradients under ZeRO-2/FSDP when the step
     accumulates ``m > 1`` micro-batches; activations per :func:`~labkit.costmodel.memory.activation_bytes`
     (``flash_attention``, ``dropout``; sequence parallelism with TP).  With recomputation each held micro-batch
-    keeps its layers' inputs, and only the one layer being rebuilt holds its whole activations."""
+    keeps its layers' inputs, and only the one layer being rebuilt holds its whole activations.  With context
+    parallelism each rank holds the activations of ``s / cp`` tokens of each sequence, the K/V it gathers or
+    receives for the one layer whose attention runs (:func:`~labkit.costmodel.context.cp_buffer_bytes`), and
+    its model states sharded by ZeRO over the ``dp x cp`` replicas."""
     d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
     m = global_batch // (d * b)
+    full = shape
+    shape = dataclasses.replace(shape, seq_len=shape.seq_len // layout.cp)  # this rank's tokens of a sequence
     options = {"tp_degree": t, "sequence_parallel": sequence_parallel and t > 1, "dropout": dropout,
                "flash_attention": flash_attention}
     layers = chunk_layers(shape, layout, stage_layers)
@@ -166,13 +173,20 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
     rebuilt = activation_bytes(shape, b, layers=1, **options)
     per_stage = (whole - rebuilt) if layout.recompute else whole
     logits = b * shape.seq_len * -(-shape.vocab_size // t) * (2 + 4)
-    parameters = rank_parameters(shape, layout, stage_layers)
+    parameters = rank_parameters(full, layout, stage_layers)
+    if layout.cp > 1:  # one layer's K/V from the other cp ranks, in bf16 (and their gradients, backward)
+        kv_heads = max(shape.num_kv_heads / t, 1)  # Megatron replicates K/V heads that t does not divide
+        per_rank_heads = shape.num_heads / t if layout.cp_strategy == "ulysses" else kv_heads
+        transient = 2 * cp_buffer_bytes(layout.cp_strategy, layout.cp, b, per_rank_heads, shape.seq_len,
+                                        shape.hidden_size // shape.num_heads, 2)
+    else:
+        transient = 0.0
     worst: dict[str, float] = {}
     for rank in sorted({0, p - 1}):
         activations = held_microbatches(layout, m, rank) * per_stage + (rebuilt if layout.recompute else 0.0)
-        activations += logits if rank == p - 1 else 0.0
-        memory = memory_per_rank(parameters[rank], "mixed", "adam", layout.zero, d, t, 1, activations,
-                                 accumulating=m > 1, gradient_bytes=gradient_bytes, peak=peak)
+        activations += (logits if rank == p - 1 else 0.0) + transient
+        memory = memory_per_rank(parameters[rank], "mixed", "adam", layout.zero, layout.replicas, t, 1,
+                                 activations, accumulating=m > 1, gradient_bytes=gradient_bytes, peak=peak)
         if memory["total"] > worst.get("total", -1.0):
             worst = memory
     return worst
@@ -181,19 +195,25 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
 def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_batches=(1, 2, 4, 8),
                schedules=SCHEDULES, zero_stages=(0, 1, 2, 3), recompute=(False, True),
                virtual_stages: int | tuple[int, ...] | None = None, tensor_parallel: tuple[int, ...] | None = None,
-               pipeline_parallel: tuple[int, ...] | None = None) -> list[Layout]:
+               pipeline_parallel: tuple[int, ...] | None = None, context_parallel: tuple[int, ...] = (1,),
+               cp_strategy: str = "ring") -> list[Layout]:
     """Every layout whose degrees divide what they split (see the module docstring), a ZeRO stage only where
     there are replicas to partition over (``d = 1``: the lowest stage asked for), and ZeRO-2 only where it differs
     from ZeRO-1 (``m = 1``: under accumulation it holds whole gradients and sends what ZeRO-1 sends).
     ``virtual_stages``: the interleaved schedule's stages per rank to try (default: every ``v >= 2`` that divides a
-    stage's layers); ``tensor_parallel`` and ``pipeline_parallel``: the degrees to try (default: every divisor)."""
+    stage's layers); ``tensor_parallel`` and ``pipeline_parallel``: the degrees to try (default: every divisor);
+    ``context_parallel``: the cp degrees to try (default none; each must cut the sequence into ``2 cp`` zig-zag
+    chunks, and with ``cp_strategy="ulysses"`` divide each TP rank's heads)."""
     interleavings = (virtual_stages,) if isinstance(virtual_stages, int) else virtual_stages
     found = []
-    for t in _divisors(num_gpus):
+    for t, cp in ((t, cp) for t in _divisors(num_gpus) for cp in context_parallel):
         if shape.num_heads % t or shape.num_kv_heads % t or (tensor_parallel and t not in tensor_parallel):
             continue
-        for p in _divisors(num_gpus // t):
-            d = num_gpus // (t * p)
+        if (num_gpus // t) % cp or (cp > 1 and (shape.seq_len % (2 * cp) or (
+                cp_strategy == "ulysses" and (shape.num_heads // t) % cp))):
+            continue
+        for p in _divisors(num_gpus // (t * cp)):
+            d = num_gpus // (t * cp * p)
             if shape.num_layers % p or global_batch % d or (pipeline_parallel and p not in pipeline_parallel):
                 continue
             for b in micro_batches:
@@ -212,11 +232,11 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
                         for zero in zero_stages:
                             if zero == 3 and schedule in ("interleaved", "zb-h1"):
                                 continue
-                            if d == 1 and zero != min(zero_stages):
+                            if d * cp == 1 and zero != min(zero_stages):
                                 continue  # one replica: every ZeRO stage is the same layout
                             if zero == 2 and m > 1 and 1 in zero_stages:
                                 continue  # accumulating, ZeRO-2 holds and sends what ZeRO-1 does: the same layout
-                            found += [Layout(d, t, p, zero, b, r, schedule, v) for r in recompute]
+                            found += [Layout(d, t, p, zero, b, r, schedule, v, cp, cp_strategy) for r in recompute]
     return found
 
 
@@ -232,6 +252,12 @@ def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int 
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an integer >= 1, got {global_batch!r}")
     layouts = candidates(shape, cluster.num_gpus, global_batch, **choices)
+    if "context_parallel" not in choices and not any(
+            layout_memory(shape, layout, global_batch, flash_attention=flash_attention, dropout=dropout,
+                          gradient_bytes=gradient_bytes)["total"] <= cluster.usable_bytes for layout in layouts):
+        # Nothing fits without context parallelism: try it (powers of two that cut the sequence into 2 cp chunks).
+        degrees = tuple(cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp <= cluster.num_gpus)
+        layouts = candidates(shape, cluster.num_gpus, global_batch, context_parallel=degrees, **choices)
     hardware = cluster.hardware()
     fitting, smallest = [], math.inf
     memory_options = {"flash_attention": flash_attention, "dropout": dropout, "gradient_bytes": gradient_bytes}

@@ -222,8 +222,10 @@ class PublishedRun:
 
     @property
     def modelled(self) -> bool:
-        """Whether labkit's step model can express the layout (it has no context parallelism)."""
-        return self.cp == 1
+        """Whether labkit's step model can express the layout: every row since it models context parallelism
+        (Llama 3's all-gather: section 3.3.2, "we first all-gather the K and V tensors, and then compute attention
+        output for the local Q tensor chunk")."""
+        return True
 
     @property
     def tokens_per_step(self) -> int:
@@ -242,13 +244,10 @@ class PublishedRun:
 
     def layout(self) -> Layout:
         """The published degrees as a :class:`~labkit.costmodel.step.Layout`, completed as the module docstring
-        says.  Raises ``ValueError`` for context parallelism, which labkit does not model."""
-        if not self.modelled:
-            raise ValueError(f"{self.name}: context parallelism (cp={self.cp}) is not modelled by labkit's step "
-                             f"model; only layouts with cp=1 have a Layout")
+        says (context parallelism: all-gather, as Llama 3 runs it)."""
         schedule = "interleaved" if self.virtual_stages > 1 else "1f1b"
         return Layout(self.dp, self.tp, self.pp, self.zero, self.micro_batch, self.recompute, schedule,
-                      self.virtual_stages)
+                      self.virtual_stages, self.cp, "all_gather")
 
     def memory_options(self) -> dict[str, bool | int]:
         """How the run held its activations and gradients: :func:`~labkit.costmodel.planner.layout_memory`'s."""

@@ -131,8 +131,8 @@ class TransformerShape:
 
     @classmethod
     def preset(cls, name: str) -> TransformerShape:
-        """A published shape: ``"gpt2"``, ``"gpt2-xl"``, ``"gpt3-175b"``, ``"llama-2-7b"`` or
-        ``"llama-2-70b"`` (see the module docstring)."""
+        """A published shape: ``"gpt2"``, ``"gpt2-xl"``, ``"gpt3-175b"``, ``"llama-2-7b"``, ``"llama-2-70b"``,
+        ``"llama-3-8b"`` or ``"llama-3-405b"`` (see the module docstring)."""
         if name not in MODEL_SHAPES:
             raise ValueError(f"unknown model shape {name!r}; choose one of {sorted(MODEL_SHAPES)}")
         return dataclasses.replace(MODEL_SHAPES[name])
@@ -153,6 +153,10 @@ MODEL_SHAPES = {
     "llama-2-7b": TransformerShape(32, 4096, 32, 4096, 32000, ffn_hidden_size=11008, **_LLAMA),
     "llama-2-70b": TransformerShape(80, 8192, 64, 4096, 32000, ffn_hidden_size=28672, num_kv_heads=8,
                                     **_LLAMA),
+    # Llama 3 (Dubey et al. 2024, Table 3): 8B and 405B at the 8,192 tokens of their main pre-training stage
+    "llama-3-8b": TransformerShape(32, 4096, 32, 8192, 128256, ffn_hidden_size=14336, num_kv_heads=8, **_LLAMA),
+    "llama-3-405b": TransformerShape(126, 16384, 128, 8192, 128256, ffn_hidden_size=53248, num_kv_heads=8,
+                                     **_LLAMA),
 }
 
 
@@ -172,16 +176,18 @@ def num_parameters(shape: TransformerShape) -> int:
 
 
 def korthikanti_layer_activation_bytes(seq_len: int, micro_batch: int, hidden_size: int, num_heads: int,
-                                       tp_degree: int = 1, sequence_parallel: bool = False) -> float:
+                                       tp_degree: int = 1, sequence_parallel: bool = False,
+                                       attention_matrix: bool = True) -> float:
     """Korthikanti et al.'s ``s b h (34 + 5 a s / h)`` bytes per layer (16-bit, dropout, attention matrix
     stored), as ``s b h (10 + 24 / t + 5 a s / (h t))`` under tensor parallelism and divided by ``t`` whole
-    with sequence parallelism."""
+    with sequence parallelism; ``attention_matrix=False`` leaves out the ``5 a s / h`` term (a fused kernel
+    that keeps no score matrix, as the Ultra-Scale Playbook's memory figures do)."""
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden_size", hidden_size),
                         ("num_heads", num_heads), ("tp_degree", tp_degree)):
         _check_count(name, value)
     s, b, h, a, t = seq_len, micro_batch, hidden_size, num_heads, tp_degree
     replicated = 10 / t if sequence_parallel else 10
-    return s * b * h * (replicated + 24 / t + 5 * a * s / (h * t))
+    return s * b * h * (replicated + 24 / t + (5 * a * s / (h * t) if attention_matrix else 0.0))
 
 
 def _layer_activation_terms(shape: TransformerShape, micro_batch: int, value_bytes: int, mask_bytes: int,

@@ -26,13 +26,17 @@ from typing import Any
 
 from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
 from labkit.costmodel.compute import head_flops, layer_flops, model_flops_per_step
+from labkit.costmodel.context import cp_layer_seconds
 from labkit.costmodel.shapes import num_parameters
 
 
 @dataclass(frozen=True)
 class Layout:
     """A 3D configuration: ``dp x tp x pp`` ranks, ZeRO stage over dp, micro-batch size, recomputation and the
-    pipeline schedule (``virtual_stages``: the interleaved schedule's stages per rank)."""
+    pipeline schedule (``virtual_stages``: the interleaved schedule's stages per rank); with ``cp > 1`` a fourth
+    dimension, context parallelism (``cp_strategy``: ``"ring"``, ``"all_gather"`` or ``"ulysses"``), each
+    sequence split over ``cp`` ranks, whose gradients are reduced (and ZeRO's states sharded) over ``dp x cp``
+    ranks, as :mod:`labkit.parallel.parallelize` builds it."""
 
     dp: int
     tp: int
@@ -42,10 +46,17 @@ class Layout:
     recompute: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    cp: int = 1
+    cp_strategy: str = "ring"
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same weights and reduce their gradients together: ``dp x cp``."""
+        return self.dp * self.cp
 
     @property
     def chunks(self) -> int:
@@ -54,7 +65,8 @@ class Layout:
 
     def label(self) -> str:
         extra = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} ZeRO-{self.zero} b={self.micro_batch}"
+        context = f" cp={self.cp} ({self.cp_strategy})" if self.cp > 1 else ""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{context} ZeRO-{self.zero} b={self.micro_batch}"
                 f"{' recompute' if self.recompute else ''} {self.schedule}{extra}")
 
 
@@ -101,7 +113,7 @@ class Hardware:
 
 
 def link_of(hardware: Hardware, stride: int, size: int) -> LinkModel:
-    """The link of a group of ``size`` ranks ``stride`` apart in the (pp, dp, tp) grid: its ranks span
+    """The link of a group of ``size`` ranks ``stride`` apart in the (pp, dp, cp, tp) grid: its ranks span
     ``stride * size`` consecutive ranks from a multiple of that, so it lies inside one node of ``G`` GPUs when
     that span divides ``G``; else it crosses nodes, where with ``hardware.rails`` a group of ``G / stride``
     members a node (whole nodes' worth, ``stride`` dividing ``G``) runs that many times faster, at most at the
@@ -122,6 +134,9 @@ def _check_divides(shape: Any, layout: Layout, global_batch: int, stage_layers: 
     if global_batch % (d * b):
         raise ValueError(f"the global batch {global_batch} must split into dp={d} replicas of micro-batches of "
                          f"b={b} sequences (global_batch % (dp * b) == 0)")
+    if shape.seq_len % (2 * layout.cp) and layout.cp > 1:
+        raise ValueError(f"cp={layout.cp} zig-zag chunks do not divide the sequence of {shape.seq_len} tokens "
+                         f"(seq_len % (2 cp) == 0)")
     if stage_layers is None:
         if shape.num_layers % layout.chunks:
             raise ValueError(f"{layout.chunks} pipeline stages do not divide the {shape.num_layers} layers")
@@ -145,6 +160,8 @@ class ChunkCosts:
     compute_backward: tuple[float, ...]
     tp_forward: tuple[float, ...]
     tp_backward: tuple[float, ...]
+    cp_forward: tuple[float, ...] = ()  # context parallelism's exposed communication (and its slowdown)
+    cp_backward: tuple[float, ...] = ()
 
     def rank_totals(self, p: int) -> list[tuple[float, float, float, float]]:
         """Per rank: ``(compute forward, compute backward, TP forward, TP backward)`` over its chunks."""
@@ -161,7 +178,7 @@ def tp_all_reduce_s(shape: Any, layout: Layout, hardware: Hardware, value_bytes:
     t = layout.tp
     if t == 1:
         return 0.0
-    nbytes = layout.micro_batch * shape.seq_len * shape.hidden_size * value_bytes
+    nbytes = layout.micro_batch * shape.seq_len // layout.cp * shape.hidden_size * value_bytes
     return ring_all_reduce_cost(nbytes, t, link_of(hardware, 1, t)).time_s + hardware.call_latency_s
 
 
@@ -170,8 +187,10 @@ def chunk_costs(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int
     """Each chunk's seconds on one micro-batch (module docstring): its layers' FLOPs over the ``t`` ranks of
     its TP group at ``hardware.flops`` (the backward twice the forward, three times with recomputation, the
     forward rerun inside it), the output layer's on the last chunk (never recomputed), the per-layer and
-    per-pass overheads, and two TP all-reduces per layer each way (two more backward when recomputing)."""
-    b, t, chunks = layout.micro_batch, layout.tp, layout.chunks
+    per-pass overheads, and two TP all-reduces per layer each way (two more backward when recomputing).  With
+    context parallelism every rank computes ``1 / cp`` of each layer (zig-zag balances the causal work) and its
+    attention adds what :func:`labkit.costmodel.context.cp_layer_seconds` leaves exposed."""
+    b, t, chunks = layout.micro_batch, layout.tp * layout.cp, layout.chunks
     layers = chunk_layers(shape, layout, stage_layers)
     one = tp_all_reduce_s(shape, layout, hardware, value_bytes)
     backward_passes = 3 if layout.recompute else 2
@@ -186,10 +205,14 @@ def chunk_costs(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int
         even = flops / (t * chunks) / (backward_passes + 1) / hardware.flops
         forward, backward = [even] * chunks, [backward_passes * even] * chunks
     overhead = [hardware.layer_overhead_s * n + per_pass for n in layers]
+    cp_forward, cp_backward = cp_layer_seconds(shape, layout, hardware, link_of(hardware, layout.tp, layout.cp),
+                                               value_bytes)
+    cp_backward += cp_forward if layout.recompute else 0.0  # the recomputed forward gathers or rotates again
     return ChunkCosts(tuple(f + o for f, o in zip(forward, overhead, strict=True)),
                       tuple(bw + backward_passes * o for bw, o in zip(backward, overhead, strict=True)),
                       tuple(2 * n * one for n in layers),
-                      tuple((2 + 2 * layout.recompute) * n * one for n in layers))
+                      tuple((2 + 2 * layout.recompute) * n * one for n in layers),
+                      tuple(n * cp_forward for n in layers), tuple(n * cp_backward for n in layers))
 
 
 def chunk_parameters(shape: Any, layout: Layout, stage_layers: tuple[int, ...] | None = None) -> list[float]:

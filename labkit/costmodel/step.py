@@ -105,14 +105,17 @@ class StepTime:
     zero_s: float  # ZeRO-1/2's all-gather of updated weights, FSDP's gathers: exposed, and the slowdown
     forward_s: float
     backward_s: float
+    cp_s: float = 0.0  # context parallelism's communication in every attention: what is exposed, and the slowdown
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.tp_s + self.bubble_s + self.pp_send_s + self.dp_s + self.zero_s
+        return self.compute_s + self.tp_s + self.cp_s + self.bubble_s + self.pp_send_s + self.dp_s + self.zero_s
 
     def parts(self) -> dict[str, float]:
-        return {"compute": self.compute_s, "tp": self.tp_s, "bubble": self.bubble_s, "pp send": self.pp_send_s,
-                "dp": self.dp_s, "zero": self.zero_s}
+        """Each term by name (``"cp"`` only for a layout with context parallelism)."""
+        parts = {"compute": self.compute_s, "tp": self.tp_s, "bubble": self.bubble_s, "pp send": self.pp_send_s,
+                 "dp": self.dp_s, "zero": self.zero_s}
+        return {**parts, "cp": self.cp_s} if self.layout.cp > 1 else parts
 
 
 _TABLES: dict[str, Callable[[int, int, int], schedules.Schedule]] = {
@@ -180,6 +183,9 @@ def _passes(costs: Any, overlap_tp: bool, slowdown: float) -> tuple[list[float],
                                         costs.compute_forward + costs.compute_backward, strict=True)]
     forward = [c + x for c, x in zip(costs.compute_forward, tp_cost[:chunks], strict=True)]
     backward = [c + x for c, x in zip(costs.compute_backward, tp_cost[chunks:], strict=True)]
+    if costs.cp_forward:  # context parallelism's exposed communication, inside each pass's attention
+        forward = [f + x for f, x in zip(forward, costs.cp_forward, strict=True)]
+        backward = [bw + x for bw, x in zip(backward, costs.cp_backward, strict=True)]
     return tp_cost, forward, backward
 
 
@@ -190,10 +196,11 @@ def tp_in_node(hardware: Hardware, t: int) -> bool:
 
 def send_time(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int = 2, sequence_parallel: bool = True
               ) -> float:
-    """One pipeline send of a micro-batch's activations (or their gradients) between stages ``d t`` ranks apart:
-    ``b s h / t`` values per GPU (each TP rank sends its part), ``b s h`` without sequence parallelism."""
-    link = link_of(hardware, layout.dp * layout.tp, layout.pp)
-    nbytes = layout.micro_batch * shape.seq_len * shape.hidden_size * value_bytes
+    """One pipeline send of a micro-batch's activations (or their gradients) between stages ``d cp t`` ranks
+    apart: ``b (s / cp) h / t`` values per GPU (each TP rank sends its part), ``b (s / cp) h`` without sequence
+    parallelism."""
+    link = link_of(hardware, layout.dp * layout.cp * layout.tp, layout.pp)
+    nbytes = layout.micro_batch * shape.seq_len // layout.cp * shape.hidden_size * value_bytes
     nbytes /= layout.tp if sequence_parallel else 1
     return link.alpha_s + nbytes * link.beta_s_per_byte + hardware.call_latency_s
 
@@ -257,14 +264,16 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
     own = m * sum(ranks[bound])
     tp_s = m * (sum(tp_cost[c] for c in range(bound, chunks, p)) + sum(tp_cost[chunks + c]
                                                                            for c in range(bound, chunks, p)))
-    compute_s = own - tp_s
+    cp_s = m * sum(costs.cp_forward[c] + costs.cp_backward[c] for c in range(bound, chunks, p)) \
+        if costs.cp_forward else 0.0
+    compute_s = own - tp_s - cp_s
     dp_s = zero_s = 0.0
-    if d > 1:
+    if layout.replicas > 1:
         dp_s, zero_s = _data_parallel(shape, layout, hardware, m, forward, backward, ranks, timeline, total,
                                       value_bytes, gradient_bytes, overlap_dp, overlap_gather, stage_layers, costs,
                                       balanced=not head_on_last_stage, reshard=reshard_after_forward)
     return StepTime(layout, m, compute_s, tp_s, without_sends - own, total - without_sends, dp_s, zero_s,
-                    ranks[bound][0], ranks[bound][1])
+                    ranks[bound][0], ranks[bound][1], cp_s)
 
 
 def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2,
@@ -290,7 +299,7 @@ def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
             fill += forward[rank] + send
             back += 0.0 if layout.schedule == "zb-h1" else backward[rank] + send
         bound = max(bound, closed_form_makespan(layout.schedule, p, m, *min(ranks, key=sum), chunks // p))
-    if layout.dp > 1:
+    if layout.replicas > 1:
         gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
         bound += sum(_data_parallel(shape, layout, hardware, m, forward, backward, ranks, None, bound, value_bytes,
                                     gradient_bytes, overlap_dp, overlap_gather, None, costs, False, floor=True))
@@ -315,7 +324,7 @@ def _data_parallel(shape: Any, layout: Layout, hardware: Hardware, m: int, forwa
     (``balanced``: every chunk holds an equal share of the parameters, as the balanced pipeline assumes).
     ``floor``: without a timeline, the least the two can be (the planner's bound): the hidden parts' slowdown,
     and the bucket the last pass of the schedule leaves, or the weights' first bucket before any forward."""
-    d, t, p, chunks = layout.dp, layout.tp, layout.pp, layout.chunks
+    d, t, p, chunks = layout.replicas, layout.tp, layout.pp, layout.chunks  # dp x cp hold the same weights
     link, slowdown, latency = link_of(hardware, t, d), hardware.overlap_slowdown, hardware.call_latency_s
     reduce = ring_reduce_scatter_cost if layout.zero >= 1 else ring_all_reduce_cost
     parameters = ([num_parameters(shape) / (t * chunks)] * chunks if balanced  # per GPU
