@@ -75,7 +75,7 @@ def _kill_session(node: subprocess.Popen) -> None:
             pass
 
 
-HEADER = re.compile(r"# rank (\d+) of (\d+) \(pp=(\d+), dp=(\d+), tp=(\d+)\) on node (\d+) .*local rank (\d+)")
+HEADER = re.compile(r"# rank (\d+) of (\d+) \(pp=(\d+), dp=(\d+), (?:cp=\d+, )?tp=(\d+)\) on node (\d+) .*local rank (\d+)")
 
 
 def _placement(log_dir: Path) -> dict[int, dict[str, int]]:

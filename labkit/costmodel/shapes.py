@@ -269,8 +269,7 @@ def tinygpt_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | 
     ``labkit.parallel.tensor.parallelize_tensor`` over ``t`` ranks (with ``sequence_parallel`` or not), whose
     layers keep the dense ones' tensors at ``1/t`` of the width, and whose vocabulary-parallel embedding and
     loss keep their own: the embedding's local ids and a one-byte mask of the ids outside this rank's rows;
-    the loss's softmax over this rank's ``V_padded / t`` columns, its local targets, their mask and the mask of
-    targets counted (not ``ignore_index``).
+    the loss's softmax over this rank's ``V_padded / t`` columns, its local targets and their mask.
     """
     _check_count("batch_size", batch_size)
     s = config.block_size if seq_len is None else seq_len
@@ -307,5 +306,5 @@ def tinygpt_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | 
     else:
         outside += 9 * b * s  # local token ids and the mask of those outside this rank's rows
         if with_loss:
-            outside += 4 * s * b * (-(-v // t)) + 10 * b * s  # local softmax, targets, 2 masks
+            outside += 4 * s * b * (-(-v // t)) + 9 * b * s  # softmax of the local columns; local targets, mask
     return checkpointed * block_input + (config.n_layer - checkpointed) * block + outside

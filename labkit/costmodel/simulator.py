@@ -99,9 +99,6 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
     """
     if layout.schedule not in _TABLES:
         raise ValueError(f"schedule must be one of {tuple(_TABLES)}, got {layout.schedule!r}")
-    if layout.cp > 1:
-        raise ValueError(f"the event simulator runs dp x tp x pp layouts; cp={layout.cp} is priced by "
-                         "labkit.costmodel.step.predict_step")
     if bucket_bytes <= 0 or optimizer_s < 0:
         raise ValueError(f"bucket_bytes must be > 0 and optimizer_s >= 0, got {bucket_bytes!r} and {optimizer_s!r}")
     d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch

@@ -246,6 +246,8 @@ def stage_times(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
     """``(m, v, forward, backward, tp_forward, tp_backward)``: micro-batches per step, stages per rank, and one
     micro-batch's compute and TP all-reduce seconds on one rank's stages, the model's FLOPs spread evenly over
     the stages (the uniform stages the event simulator, :mod:`labkit.costmodel.simulator`, runs)."""
+    if layout.cp > 1:
+        raise ValueError(f"the event simulator runs dp x tp x pp layouts: cp={layout.cp} is priced by predict_step")
     _check_divides(shape, layout, global_batch, None)
     v = layout.virtual_stages if layout.schedule == "interleaved" else 1
     costs = chunk_costs(shape, layout, hardware, value_bytes, head_on_last_stage=False)

@@ -62,6 +62,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                  "Planning a training run: one 3D step's time by hand (compute, TP, bubble, DP)"),
     "input_pipeline": ("12_input_pipeline.py", "labkit.grading.checkers.input_pipeline",
                        "The input pipeline: the seed of one sample's augmentation, the same in every process"),
+    "long_context": ("13_long_context.py", "labkit.grading.checkers.long_context",
+                     "Long sequences: the LSE merge of partial attention, the zig-zag split, blockwise attention"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0

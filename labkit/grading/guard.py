@@ -73,6 +73,7 @@ LABKIT_IMPLEMENTATIONS = (
     "labkit.costmodel.simulator",  # 11: the same step simulated event by event (its parts, the bubble included)
     "labkit.loader.sample_seed",  # 12: the seed of one sample's augmentation
     "labkit.loader._splitmix64",  # 12: the mixing function it is built from
+    # 13: labkit.parallel (above) holds context parallelism's merge, layouts and blockwise kernel
 )
 
 # Collective functions and methods, by name: torch.distributed's all_reduce, all_gather_into_tensor,

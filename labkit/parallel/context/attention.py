@@ -88,7 +88,7 @@ class ContextParallelGroup:
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         self.log.append((phase, kind, tensor.numel() * tensor.element_size()))
 
-    def rotate(self, sends: list[tuple[torch.Tensor, str]]) -> tuple[list[Any], list[torch.Tensor]]:
+    def rotate(self, sends: list[tuple[torch.Tensor, str]]) -> tuple[_Pending, list[torch.Tensor]]:
         """Send each tensor to the next rank of the ring and receive one of the same shape from the previous
         one, all in one batch (NCCL needs a ring's sends and receives grouped, or every rank's send waits for a
         receive queued behind it).  Returns the works to wait on and the receive buffers."""
@@ -101,10 +101,9 @@ class ContextParallelGroup:
             ops += [dist.P2POp(dist.isend, tensor, following, self.group, tag),
                     dist.P2POp(dist.irecv, buffer, preceding, self.group, tag)]
             received.append(buffer)
+        posted = trace.now()
         works = dist.batch_isend_irecv(ops)
-        for work, (_, what) in zip(works[1::2], sends, strict=True):
-            trace.record_async(work, f"recv {what}")
-        return works, received
+        return _Pending(works, posted, "+".join(what for _, what in sends)), received
 
     def all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """The ranks' ``tensor``s stacked along a new first dimension, in rank order."""
@@ -131,9 +130,26 @@ class ContextParallelGroup:
         return out
 
 
-def _wait(works: list[Any]) -> None:
-    for work in works:
-        work.wait()
+class _Pending:
+    """A batch of ring messages in flight.  On the trace (gloo's point-to-point works have no completion
+    callback), ``recv`` spans from posting to the wait's return and ``wait`` the part the rank sat waiting: the
+    communication the compute did not hide."""
+
+    def __init__(self, works: list[Any], posted: float, what: str):
+        self.works, self.posted, self.what = works, posted, what
+
+    def wait(self) -> None:
+        waiting = trace.now()
+        for work in self.works:
+            work.wait()
+        done = trace.now()
+        trace.add(f"recv {self.what}", "comm", self.posted, done)
+        trace.add(f"wait {self.what}", "idle", waiting, done)
+
+
+def _wait(pending: _Pending | None) -> None:
+    if pending is not None:
+        pending.wait()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -149,7 +165,7 @@ class _RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
-            works, incoming = cp.rotate([(kv, "kv")]) if step < cp.size - 1 else ([], [kv])
+            works, incoming = cp.rotate([(kv, "kv")]) if step < cp.size - 1 else (None, [kv])
             with trace.span(f"attention q{cp.rank} kv{source}", "compute"):
                 part = attention_forward(q, kv[0], kv[1], causal=causal, block_size=cp.block_size,
                                          q_positions=cp.positions(local), k_positions=cp.positions(local, source),
@@ -177,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
             sends = [(pending, "dkv")] if pending is not None else []
             if step < cp.size - 1:
                 sends.append((kv, "kv"))
-            works, incoming = cp.rotate(sends) if sends else ([], [])
+            works, incoming = cp.rotate(sends) if sends else (None, [])
             with trace.span(f"attention backward q{cp.rank} kv{source}", "compute"):
                 dq_part, dk, dv = attention_backward(
                     q, kv[0], kv[1], dout, lse, delta, causal=ctx.causal, block_size=cp.block_size,

@@ -219,18 +219,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             tp.all_reduce(sum_exp, "loss")
             tp.all_reduce(target_logit, "loss")
         counted = targets.reshape(-1) != IGNORE_INDEX  # F.cross_entropy's ignore_index: padding is left out
-        loss = ((sum_exp.log() - target_logit) * counted).sum() / counted.sum()
+        ctx.counted = int(counted.sum())
+        loss = ((sum_exp.log() - target_logit) * counted).sum() / ctx.counted
         softmax = exp.div_(sum_exp[:, None])
-        ctx.save_for_backward(softmax, local_targets, outside, counted)
+        if ctx.counted < counted.numel():
+            softmax[~counted] = 0.0  # an ignored row's gradient is zero (its target is outside every slice)
+        ctx.save_for_backward(softmax, local_targets, outside)
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        softmax, local_targets, outside, counted = ctx.saved_tensors
+        softmax, local_targets, outside = ctx.saved_tensors
         grad_logits = softmax.clone()
         rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
         grad_logits[rows, local_targets] -= (~outside).to(grad_logits.dtype)
-        grad_logits.mul_(counted[:, None] * (grad / counted.sum()))
+        grad_logits.mul_(grad / ctx.counted)
         return grad_logits.view(ctx.shape).to(ctx.dtype), None, None, None
 
 

@@ -1,0 +1,232 @@
+"""Checks for exercise 13 (``13_long_context.py``): the LSE merge, the zig-zag split, blockwise attention.
+
+Four checks, building up:
+
+1. ``merge_partials`` is exact: partials over disjoint (scattered, not only contiguous) sets of keys merge into the
+   attention over all of them, in fp64 to 1e-12, for tensors of 2 to 4 dimensions; in either order and folded over
+   eight blocks; a query that saw no key in one part takes the other part whole, and one that saw none in either
+   gets ``0`` and ``-inf``, never ``nan``; scores a thousand times larger than usual (``lse`` in the thousands) do
+   not overflow.  Merging by the larger LSE only, adding or averaging the outputs, forgetting to rescale or
+   exponentiating the LSEs directly all fail here;
+2. ``zigzag_positions`` over ``cp`` = 1 to 8 and lengths that ``2 cp`` divides and that it does not (padded at the
+   end): every position of the padded sequence on exactly one rank, rank ``r`` holding chunk ``r`` then chunk
+   ``2 cp - 1 - r``, every rank as many tokens and as much causal work.  A split right only for ``cp = 2`` (a
+   mirror fixed at chunk 3), the contiguous split, padding to a multiple of ``cp`` only, or the chunks in the
+   other order fail here;
+3. ``blockwise_attention``: causal attention equal to the textbook formula (fp64, 1e-10; out and lse) at block
+   sizes that divide the sequence and that do not (37 tokens in blocks of 8, 5 in blocks of 64, blocks of 1), on
+   ``[s, d]`` and ``[batch, heads, s, d]``; and no tensor larger than the ``s x block`` scores of one block (nor
+   than ``q``) is ever formed: the whole ``s x s`` matrix fails, however it is masked afterwards;
+4. ring attention from the three: for ``cp`` = 2, 3 and 4 and uneven lengths, each rank's queries at its zig-zag
+   positions merge the partial results of every rank's keys, in ring order, into the whole sequence's attention.
+
+While the checks run, :mod:`labkit.grading.guard` switches off ``labkit.parallel`` (its blockwise kernel, merge and
+layouts) and refuses a fresh copy of any labkit file loaded under another name, and this checker refuses torch's
+fused attention: ``F.scaled_dot_product_attention`` and every
+``aten`` attention kernel (flash, memory-efficient, cuDNN), seen by a dispatch mode that also measures the
+largest tensor created.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from labkit.grading import CheckFailed, copies, guard
+
+FUSED_ATTENTION = re.compile(r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention")
+REASON = "torch's fused attention is switched off here: compute the scores, the mask and the softmax yourself"
+
+
+class _Watch(TorchDispatchMode):
+    """Refuses torch's fused attention kernels and records the largest tensor any operation creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel, self.shape = 0, ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if FUSED_ATTENTION.search(func.__name__):
+            raise guard.Forbidden(f"called {func.__name__}: {REASON}")
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > self.numel:
+                self.numel, self.shape = tensor.numel(), tuple(tensor.shape)
+        return out
+
+
+@contextmanager
+def _watched() -> Iterator[_Watch]:
+    """No fused attention (the Python entry point too, where a CPU falls back to its math path) while watching."""
+    original = F.scaled_dot_product_attention
+
+    def refused(*args, **kwargs):
+        raise guard.Forbidden(f"called F.scaled_dot_product_attention: {REASON}")
+
+    F.scaled_dot_product_attention = refused
+    try:
+        with _Watch() as watch:
+            yield watch
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+               k_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The textbook formula over the keys given, causal by positions: ``(out, lse)`` (``0, -inf`` for a query
+    that sees none of them)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(k_positions[None, :] > q_positions[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - safe.unsqueeze(-1)) @ v, lse
+
+
+def _qkv(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, dtype=torch.float64, generator=generator) * (scale if i == 0 else 1.0)
+            for i in range(3)]
+
+
+def _pair(result: object, what: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
+        raise CheckFailed(f"{what} returned {type(result).__name__}; expected a tuple (out, lse) of two tensors")
+    out, lse = result
+    if tuple(out.shape) != shape or tuple(lse.shape) != shape[:-1]:
+        raise CheckFailed(f"{what} returned out {tuple(out.shape)} and lse {tuple(lse.shape)}; expected {shape} "
+                          f"and {shape[:-1]}")
+    if torch.isnan(out).any() or torch.isnan(lse).any():
+        raise CheckFailed(f"{what} returned nan: a row with no key has lse = -inf in a part, and -inf - (-inf) "
+                          "is nan; give such a row weight 0")
+    return out, lse
+
+
+def _compare(found: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor], what: str,
+             tolerance: float) -> None:
+    for name, mine, theirs in zip(("out", "lse"), found, expected, strict=True):
+        both_inf = torch.isinf(mine) & torch.isinf(theirs) & (torch.sign(mine) == torch.sign(theirs))
+        error = torch.where(both_inf, torch.zeros_like(mine), (mine - theirs).abs())
+        if not torch.all(error <= tolerance):
+            where = tuple(int(i) for i in torch.nonzero(~(error <= tolerance))[0])
+            raise CheckFailed(f"{what}: {name} at {where} is {mine[where].item():.6g}, expected "
+                              f"{theirs[where].item():.6g} (attention over all the keys)")
+
+
+@guard.no_shortcuts
+def check_merge(module) -> None:
+    """merge_partials combines two partial results exactly (any order, many blocks, empty parts, large scores)"""
+    copies.refuse_copies_of_labkit()
+    for shape, scale in (((9, 4), 1.0), ((2, 3, 12, 8), 1.0), ((1, 2, 6, 5), 1000.0)):
+        q, k, v = _qkv(shape, seed=len(shape), scale=scale)
+        seq = shape[-2]
+        positions = torch.arange(seq)
+        whole = _reference(q, k, v, positions, positions)
+        picked = torch.randperm(seq, generator=torch.Generator().manual_seed(seq))
+        for split in (picked[: seq // 3], torch.arange(seq // 2, seq)):  # scattered keys; only late ones
+            rest = torch.tensor(sorted(set(range(seq)) - set(split.tolist())))
+            parts = [_reference(q, k[..., keys, :], v[..., keys, :], positions, keys) for keys in (split, rest)]
+            for first, second in (parts, parts[::-1]):
+                merged = _pair(module.merge_partials(*first, *second), "merge_partials", shape)
+                _compare(merged, whole, f"merge_partials of two partials of {shape} (scores x{scale:g})", 1e-9)
+        blocks = torch.randperm(seq, generator=torch.Generator().manual_seed(1)).chunk(4)
+        out, lse = torch.zeros_like(q), torch.full(shape[:-1], float("-inf"), dtype=q.dtype)
+        for keys in blocks:  # one block at a time, in no particular order
+            out, lse = _pair(module.merge_partials(out, lse, *_reference(q, k[..., keys, :], v[..., keys, :],
+                                                                         positions, keys)),
+                             "merge_partials", shape)
+        _compare((out, lse), whole, f"merge_partials folded over 4 blocks of {shape}", 1e-9)
+    empty = (torch.zeros(3, 4, dtype=torch.float64), torch.full((3,), float("-inf"), dtype=torch.float64))
+    out, lse = _pair(module.merge_partials(*empty, *empty), "merge_partials of two empty parts", (3, 4))
+    if not (torch.all(out == 0) and torch.all(torch.isneginf(lse))):
+        raise CheckFailed("merge_partials of two parts that saw no key must give out = 0 and lse = -inf")
+    copies.refuse_copies_of_labkit()
+
+
+def _expected_zigzag(seq_len: int, cp: int, rank: int) -> list[int]:
+    chunk = -(-seq_len // (2 * cp))
+    return [p for index in (rank, 2 * cp - 1 - rank) for p in range(index * chunk, (index + 1) * chunk)]
+
+
+@guard.no_shortcuts
+def check_zigzag(module) -> None:
+    """zigzag_positions gives rank r chunks r and 2cp-1-r of the padded sequence, for any cp and length"""
+    copies.refuse_copies_of_labkit()
+    for cp in range(1, 9):
+        for seq_len in sorted({2 * cp * 3, 2 * cp * 5 + 1, 2 * cp * 4 - 1, 2 * cp + cp, 97}):
+            padded = -(-seq_len // (2 * cp)) * 2 * cp
+            held = []
+            for rank in range(cp):
+                found = module.zigzag_positions(seq_len, cp, rank)
+                try:
+                    found = [int(p) for p in found]
+                except (TypeError, ValueError):
+                    raise CheckFailed(f"zigzag_positions({seq_len}, {cp}, {rank}) returned {found!r}; expected a "
+                                      "list of ints") from None
+                expected = _expected_zigzag(seq_len, cp, rank)
+                if found != expected:
+                    hint = (" (the same positions in another order: chunk r first, then its mirror)"
+                            if sorted(found) == sorted(expected) else
+                            f" (pad to a multiple of 2 cp = {2 * cp}: {padded} tokens, chunks of {padded // (2 * cp)})"
+                            if len(found) != len(expected) else "")
+                    raise CheckFailed(f"zigzag_positions({seq_len}, {cp}, {rank}) returned {found[:12]}"
+                                      f"{'...' if len(found) > 12 else ''}; expected {expected[:12]}"
+                                      f"{'...' if len(expected) > 12 else ''}{hint}")
+                held += found
+            if sorted(held) != list(range(padded)):
+                raise CheckFailed(f"zigzag_positions over cp={cp} ranks do not hold each of the {padded} positions "
+                                  "exactly once")
+    copies.refuse_copies_of_labkit()
+
+
+BLOCKS = ((37, 8), (64, 16), (5, 64), (33, 1), (100, 32), (16, 16))
+
+
+@guard.no_shortcuts
+def check_blockwise(module) -> None:
+    """blockwise_attention equals causal attention at any block size and never forms the s x s scores"""
+    copies.refuse_copies_of_labkit()
+    for (seq, block), leading in itertools.product(BLOCKS, ((), (2, 3))):
+        shape = (*leading, seq, 8)
+        q, k, v = _qkv(shape, seed=seq + block)
+        positions = torch.arange(seq)
+        with _watched() as watch:
+            found = _pair(module.blockwise_attention(q, k, v, block), f"blockwise_attention(..., {block})", shape)
+        _compare(found, _reference(q, k, v, positions, positions),
+                 f"blockwise_attention of {shape} in blocks of {block}", 1e-10)
+        allowed = max(q.numel(), math.prod(leading) * seq * min(block, seq))
+        if watch.numel > allowed:
+            raise CheckFailed(f"blockwise_attention of {shape} in blocks of {block} formed a tensor of shape "
+                              f"{watch.shape} ({watch.numel} elements); one block's scores are "
+                              f"{(*leading, seq, min(block, seq))}: never form the whole score matrix")
+    copies.refuse_copies_of_labkit()
+
+
+@guard.no_shortcuts
+def check_ring(module) -> None:
+    """ring attention built from the two: each rank's zig-zag queries merge every rank's keys, in ring order"""
+    copies.refuse_copies_of_labkit()
+    for cp, seq_len in ((2, 13), (3, 24), (4, 30)):
+        padded = -(-seq_len // (2 * cp)) * 2 * cp
+        q, k, v = _qkv((2, padded, 4), seed=cp)
+        held = [torch.tensor([int(p) for p in module.zigzag_positions(seq_len, cp, rank)]) for rank in range(cp)]
+        everything = torch.arange(padded)
+        for rank, mine in enumerate(held):
+            out = torch.zeros(2, len(mine), 4, dtype=torch.float64)
+            lse = torch.full((2, len(mine)), float("-inf"), dtype=torch.float64)
+            for step in range(cp):  # the keys of rank - step arrive at step `step`
+                theirs = held[(rank - step) % cp]
+                part = _reference(q[:, mine], k[:, theirs], v[:, theirs], mine, theirs)
+                out, lse = _pair(module.merge_partials(out, lse, *part), "merge_partials", (2, len(mine), 4))
+            whole = _reference(q[:, mine], k, v, mine, everything)
+            _compare((out, lse), whole, f"ring attention, cp={cp}, {seq_len} tokens, rank {rank}", 1e-9)
+    copies.refuse_copies_of_labkit()
+
+
+CHECKS = [check_merge, check_zigzag, check_blockwise, check_ring]
