@@ -38,7 +38,8 @@ def plot_attention_memory(seq_lens: Sequence[int], saved: Mapping[str, Sequence[
     left, right = figure.subplots(1, 2)
     colors = {"scores": "#C44E52", "blockwise": "#4C72B0"}
     for name in saved:
-        left.plot(seq_lens, model[name], color=colors.get(name), linewidth=1.2, label=f"{name}: model")
+        label = f"{name}: model" + (" (the probabilities alone)" if name == "scores" else "")
+        left.plot(seq_lens, model[name], color=colors.get(name), linewidth=1.2, label=label)
         left.plot(seq_lens, saved[name], "o", color=colors.get(name), label=f"{name}: measured")
         right.plot(seq_lens, largest[name], "o-", color=colors.get(name), label=name)
     for axis, title, unit in ((left, "kept for the backward pass", "bytes"),
@@ -123,7 +124,7 @@ def plot_ring_trace(spans: Sequence[trace.Span], title: str = "ring attention, f
 
 
 def plot_work_per_rank(tiles: Mapping[str, Sequence[int]], seconds: Mapping[str, Sequence[float]]) -> Figure:
-    """Each rank's causal work (tiles its kernel computed) and its measured attention time, per layout."""
+    """Each rank's causal work (tiles its kernel computed) and its process's measured CPU time, per layout."""
     figure = Figure(figsize=(10.5, 3.3))
     left, right = figure.subplots(1, 2)
     width = 0.8 / len(tiles)
@@ -131,7 +132,8 @@ def plot_work_per_rank(tiles: Mapping[str, Sequence[int]], seconds: Mapping[str,
         x = np.arange(len(tiles[name])) + (index - (len(tiles) - 1) / 2) * width
         left.bar(x, tiles[name], width, label=name)
         right.bar(x, [1e3 * s for s in seconds[name]], width, label=name)
-    for axis, label in ((left, "tiles computed (forward and backward)"), (right, "attention time measured (ms)")):
+    for axis, label in ((left, "tiles computed (forward and backward)"),
+                        (right, "CPU time of the rank's process (ms)")):
         axis.set_xticks(range(len(next(iter(tiles.values())))),
                         [f"rank {r}" for r in range(len(next(iter(tiles.values()))))])
         axis.set_ylabel(label)
@@ -181,7 +183,7 @@ def plot_playbook_memory(shape: TransformerShape, seq_lens: Sequence[int],
             heights = np.array([v[part] for v in values])
             axis.bar(range(len(seq_lens)), heights, bottom=bottom, color=color, label=part.replace("_", " "))
             bottom += heights
-        axis.axhline(80e9 / GiB, color="#B00000", linestyle="--", linewidth=1)
+        axis.axhline(80e9 / GiB, color="#B00000", linestyle="--", linewidth=1, label="80 GB: an H100")
         axis.set_xticks(range(len(seq_lens)), [f"{s // 1024}k" for s in seq_lens])
         axis.set_title("no parallelism" if (tp, cp) == (1, 1) else f"TP = {tp}, CP = {cp}", fontsize=10)
         axis.set_xlabel("sequence length")
