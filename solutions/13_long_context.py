@@ -24,7 +24,8 @@ keys contribute.  Three functions:
    ``block_size`` keys (the last one shorter) merged with your ``merge_partials``.  It must never form more than
    ``s x block_size`` scores per (batch, head) at once: the checks watch the largest tensor it creates.
 
-Then run the grading cell of ``notebooks/13_long_context.ipynb`` (or ``labkit grade``).  labkit's own
+Then run the grading cell of ``notebooks/13_long_context.ipynb`` (or ``labkit grade``); the checks run on the CPU,
+with tensors of 2 to 4 dimensions and head sizes other than the examples'.  labkit's own
 ``labkit.parallel.context`` and torch's fused attention (``scaled_dot_product_attention`` and its kernels) are
 switched off while the checks run: the answers must be yours.
 """

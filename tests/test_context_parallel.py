@@ -20,7 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit.costmodel import context as model
+from labkit.costmodel.shapes import tinygpt_activation_bytes
 from labkit.launch import launch
+from labkit.measure import ActivationMeter
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
 from labkit.parallel.context import (
@@ -61,6 +63,34 @@ def _attention_cases(seq_len: int) -> list[dict]:
         results.append({"case": (strategy, layout, causal), "error": error, "log": cp.log,
                         "tiles": forward_tiles.computed})
     return results
+
+
+def _saved_activations() -> dict[str, int]:
+    from labkit.parallel.context.model import apply_context_parallel, shard_batch
+
+    found = {}
+    for strategy in STRATEGIES:
+        model = TinyGPT(GPT, seed=0)
+        cp = ContextParallelGroup(None, "zigzag")
+        apply_context_parallel(model, cp, GPT.block_size, strategy)
+        ids = torch.randint(GPT.vocab_size, (SEQUENCES, GPT.block_size + 1), generator=torch.Generator().manual_seed(0))
+        inputs, targets, _ = shard_batch(ids[:, :-1], ids[:, 1:], cp.size, cp.rank, "zigzag")
+        with ActivationMeter(exclude=model.parameters()) as meter:
+            model(inputs, targets)
+        found[strategy] = meter.bytes
+    return found
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_cp_rank_keeps_the_activations_of_s_over_cp_tokens(cp):
+    """The memory model of one process at s / cp tokens (``tinygpt_activation_bytes``), to the byte, for the ring
+    and all-gather; Ulysses keeps one more output a layer (``cp_saved_extra_bytes``)."""
+    local = GPT.block_size // cp
+    for rank, found in enumerate(launch(_saved_activations, nprocs=cp, rank_output="none")):
+        for strategy, measured in found.items():
+            expected = tinygpt_activation_bytes(GPT, SEQUENCES, local) + model.cp_saved_extra_bytes(
+                strategy, GPT.n_layer, SEQUENCES, local, GPT.n_embd)
+            assert measured == expected, (cp, rank, strategy, measured, expected)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

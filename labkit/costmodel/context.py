@@ -23,7 +23,8 @@ Ulysses     all-to-all of q, k, v (``3 N e``), of out          all-to-all of dou
 
 **In a step** (:func:`cp_layer_seconds`, which :func:`labkit.costmodel.stages.chunk_costs` adds to every layer):
 the ring sends each of its ``cp - 1`` K/V blocks (with grouped-query attention, ``2 b (s / cp) h_kv / t``
-values) while the attention of the block in hand runs (``1 / cp`` of the rank's attention FLOPs), so only what
+values) while the attention of the block in hand runs (``1 / cp`` of the rank's causal attention FLOPs, the
+masked half skipped), so only what
 outlasts it is exposed, plus the slowdown of the compute it hides behind; backward sends K/V and dK/dV per step
 beside twice the compute.  All-gather's gather (and backward its gather and reduce-scatter) and Ulysses'
 all-to-alls sit on the critical path.
@@ -82,17 +83,18 @@ def imbalance(work: list[float]) -> float:
 
 
 def attention_saved_bytes(batch: int, heads: int, seq_len: int, head_dim: int, element_size: int = 4, *,
-                          kernel: str = "blockwise") -> int:
+                          kernel: str = "blockwise", causal: bool = True) -> int:
     """Bytes attention keeps for its backward pass.  ``"blockwise"``: ``q, k, v, out`` and the log-sum-exp
-    (``4 b a s d + b a s`` elements); ``"scores"``: those plus the ``b a s^2`` probabilities a kernel that forms
-    the score matrix keeps (the ``5 a s / h`` term of Korthikanti et al.'s count, at 16 bits, comes from
+    (``4 b a s d + b a s`` elements); ``"scores"`` (``softmax(q k^T / sqrt(d)) v`` as written,
+    :func:`labkit.parallel.context.textbook_attention`): ``q, k, v`` and the ``b a s^2`` probabilities, plus the
+    causal mask's ``s^2`` bytes (the ``5 a s / h`` term of Korthikanti et al.'s count, at 16 bits, comes from
     these probabilities, their dropout mask and the scores)."""
     if kernel not in ("blockwise", "scores"):
         raise ValueError(f"kernel must be 'blockwise' or 'scores', got {kernel!r}")
-    elements = 4 * batch * heads * seq_len * head_dim + batch * heads * seq_len
-    if kernel == "scores":
-        elements += batch * heads * seq_len * seq_len
-    return elements * element_size
+    if kernel == "blockwise":
+        return (4 * batch * heads * seq_len * head_dim + batch * heads * seq_len) * element_size
+    values = 3 * batch * heads * seq_len * head_dim + batch * heads * seq_len * seq_len
+    return values * element_size + (seq_len * seq_len if causal else 0)
 
 
 def tile_bytes(batch: int, heads: int, block_size: int, element_size: int = 4) -> int:
@@ -135,6 +137,15 @@ def cp_link_bytes(strategy: str, cp: int, batch: int, heads: int, local_len: int
     return total
 
 
+def cp_saved_extra_bytes(strategy: str, layers: int, batch: int, local_len: int, hidden: int,
+                         element_size: int = 4) -> int:
+    """Bytes a rank keeps for backward beyond one process's activations at ``s / cp`` tokens: none for the ring
+    and all-gather (their saved ``q, k, v, out, lse`` are what torch's kernel saves), and for Ulysses one output
+    per layer, ``b (s / cp) h``: the kernel keeps its head-sharded output, the projection the sequence-sharded
+    one the second all-to-all returns (``tests/test_context_parallel.py`` measures all three)."""
+    return layers * batch * local_len * hidden * element_size if strategy == "ulysses" else 0
+
+
 def cp_buffer_bytes(strategy: str, cp: int, batch: int, heads: int, local_len: int, head_dim: int,
                     element_size: int = 4) -> int:
     """Bytes of other ranks' data a rank holds while one attention call's forward pass runs: the ring one K/V
@@ -166,7 +177,8 @@ def cp_layer_seconds(shape: Any, layout: Any, hardware: Any, link: LinkModel,
     block = int(2 * b * local * kv_width) * value_bytes  # one rank's K and V
     latency, slowdown = hardware.call_latency_s, hardware.overlap_slowdown
     if layout.cp_strategy == "ring":
-        step = 4 * b * local * shape.seq_len * shape.hidden_size / t / hardware.flops / cp  # one block's products
+        # one step's attention products: 1 / cp of the rank's causal work (zig-zag: half of its queries' pairs)
+        step = 2 * b * local * shape.seq_len * shape.hidden_size / t / hardware.flops / cp
         send = link.alpha_s + block * link.beta_s_per_byte + latency
 
         def exposed(transfer: float, compute: float) -> float:

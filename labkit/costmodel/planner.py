@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from labkit.costmodel import hardware
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPU, mfu, model_flops_per_step
-from labkit.costmodel.context import cp_buffer_bytes
+from labkit.costmodel.context import cp_buffer_bytes, cp_saved_extra_bytes
 from labkit.costmodel.memory import TransformerShape, activation_bytes, memory_per_rank
 from labkit.costmodel.stages import chunk_layers, rank_parameters
 from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
@@ -172,6 +172,8 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
     whole = activation_bytes(shape, b, checkpointing=layout.recompute, layers=max(stage, 1), **options)
     rebuilt = activation_bytes(shape, b, layers=1, **options)
     per_stage = (whole - rebuilt) if layout.recompute else whole
+    if layout.cp_strategy == "ulysses" and layout.cp > 1 and not layout.recompute:  # its second output a layer
+        per_stage += cp_saved_extra_bytes("ulysses", stage, b, shape.seq_len, shape.hidden_size // t, 2)
     logits = b * shape.seq_len * -(-shape.vocab_size // t) * (2 + 4)
     parameters = rank_parameters(full, layout, stage_layers)
     if layout.cp > 1:  # one layer's K/V from the other cp ranks, in bf16 (and their gradients, backward)

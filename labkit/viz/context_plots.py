@@ -183,13 +183,24 @@ def plot_playbook_memory(shape: TransformerShape, seq_lens: Sequence[int],
             heights = np.array([v[part] for v in values])
             axis.bar(range(len(seq_lens)), heights, bottom=bottom, color=color, label=part.replace("_", " "))
             bottom += heights
-        axis.axhline(80e9 / GiB, color="#B00000", linestyle="--", linewidth=1, label="80 GB: an H100")
+        axis.axhline(80e9 / GiB, color="#B00000", linestyle="--", linewidth=1, label="an H100: 80 GB = 74.5 GiB")
         axis.set_xticks(range(len(seq_lens)), [f"{s // 1024}k" for s in seq_lens])
         axis.set_title("no parallelism" if (tp, cp) == (1, 1) else f"TP = {tp}, CP = {cp}", fontsize=10)
-        axis.set_xlabel("sequence length")
+        axis.set_xlabel("sequence length (tokens)")
         axis.set_ylim(0, 150)
     axes[0].set_ylabel("GiB per GPU (clipped at 150)")
     axes[0].legend(fontsize=7, loc="upper left")
+    figure.tight_layout()
+    return figure
+
+
+def plot_layout_tiles(seq_len: int, block_size: int, cp: int) -> Figure:
+    """The causal tiles of ``seq_len`` tokens in blocks of ``block_size`` over ``cp`` ranks, contiguous beside
+    zig-zag (:func:`plot_tiles` each): what :func:`attention_explorer` draws."""
+    figure = Figure(figsize=(9.2, 4.4))
+    left, right = figure.subplots(1, 2)
+    plot_tiles(seq_len, block_size, cp, "contiguous", ax=left)
+    plot_tiles(seq_len, block_size, cp, "zigzag", ax=right)
     figure.tight_layout()
     return figure
 
@@ -204,12 +215,7 @@ def attention_explorer(seq_len: int = 48, block_size: int = 8, cp: int = 2) -> w
 
     def redraw() -> None:
         s, b, c = length.value, block.value, ranks.value
-        figure = Figure(figsize=(9.2, 4.4))
-        left, right = figure.subplots(1, 2)
-        plot_tiles(s, b, c, "contiguous", ax=left)
-        plot_tiles(s, b, c, "zigzag", ax=right)
-        figure.tight_layout()
-        picture.value = figure_to_png(figure)
+        picture.value = figure_to_png(plot_layout_tiles(s, b, c))
         tiles = Tiles()
         n = -(-s // b)
         tiles.computed, tiles.skipped = n * (n + 1) // 2, n * (n - 1) // 2
@@ -239,8 +245,8 @@ def plot_cp_costs(shape: TransformerShape, seq_lens: Sequence[int], cp: int, tp:
                                                 Layout(1, tp, 1, cp=cp, cp_strategy=strategy), hardware, link))
                    for s in seq_lens]
         axis.plot(seq_lens, [1e3 * e for e in exposed], "o-", color=color, label=f"{strategy}: exposed")
-    compute = [3 * 4 * s / cp * s * shape.hidden_size / tp / hardware.flops for s in seq_lens]
-    axis.plot(seq_lens, [1e3 * c for c in compute], "k--", label="attention compute (fwd + bwd)")
+    compute = [3 * 2 * s / cp * s * shape.hidden_size / tp / hardware.flops for s in seq_lens]  # causal: half
+    axis.plot(seq_lens, [1e3 * c for c in compute], "k--", label="the rank's causal attention (fwd + bwd)")
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
     axis.set_xlabel("sequence length s (tokens)")
@@ -250,6 +256,18 @@ def plot_cp_costs(shape: TransformerShape, seq_lens: Sequence[int], cp: int, tp:
     axis.legend(fontsize=8)
     figure.tight_layout()
     return figure
+
+
+def plot_strategy_costs(cp: int = 8, tp: int = 1, bandwidth_gb_s: float = 50, kv_heads: int = 8) -> Figure:
+    """:func:`plot_cp_costs` for a Llama 3 8B layer (``kv_heads`` key/value heads) on H100-class compute (half of
+    989 TFLOP/s bf16) with the cp group on a link of ``bandwidth_gb_s`` GB/s: what :func:`strategy_explorer`
+    draws."""
+    shape = dataclasses.replace(TransformerShape.preset("llama-3-8b"), num_kv_heads=kv_heads)
+    hardware = Hardware(flops=0.5 * 989e12, intra_node=LinkModel(5e-6, 1 / 450e9),
+                        inter_node=LinkModel(1e-5, 1 / 50e9), call_latency_s=1e-5)
+    link = LinkModel(1e-5, 1 / (bandwidth_gb_s * 1e9))
+    lengths = [2 ** k for k in range(12, 21) if 2 ** k % (2 * cp) == 0]
+    return plot_cp_costs(shape, lengths, cp, tp, hardware, link)
 
 
 def strategy_explorer(cp: int = 8, tp: int = 1, bandwidth_gb_s: int = 50, kv_heads: int = 8) -> widgets.VBox:
@@ -262,12 +280,7 @@ def strategy_explorer(cp: int = 8, tp: int = 1, bandwidth_gb_s: int = 50, kv_hea
     picture = widgets.Image(format="png")
 
     def redraw() -> None:
-        shape = dataclasses.replace(TransformerShape.preset("llama-3-8b"), num_kv_heads=heads.value)
-        hardware = Hardware(flops=0.5 * 989e12, intra_node=LinkModel(5e-6, 1 / 450e9),
-                            inter_node=LinkModel(1e-5, 1 / 50e9), call_latency_s=1e-5)
-        link = LinkModel(1e-5, 1 / (bandwidth.value * 1e9))
-        lengths = [2 ** k for k in range(12, 21) if 2 ** k % (2 * ranks.value) == 0]
-        picture.value = figure_to_png(plot_cp_costs(shape, lengths, ranks.value, tensor.value, hardware, link))
+        picture.value = figure_to_png(plot_strategy_costs(ranks.value, tensor.value, bandwidth.value, heads.value))
 
     controls = (ranks, tensor, bandwidth, heads)
     connect(controls, redraw)

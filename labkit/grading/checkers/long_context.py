@@ -14,9 +14,12 @@ Four checks, building up:
    mirror fixed at chunk 3), the contiguous split, padding to a multiple of ``cp`` only, or the chunks in the
    other order fail here;
 3. ``blockwise_attention``: causal attention equal to the textbook formula (fp64, 1e-10; out and lse) at block
-   sizes that divide the sequence and that do not (37 tokens in blocks of 8, 5 in blocks of 64, blocks of 1), on
-   ``[s, d]`` and ``[batch, heads, s, d]``; and no tensor larger than the ``s x block`` scores of one block (nor
-   than ``q``) is ever formed: the whole ``s x s`` matrix fails, however it is masked afterwards;
+   sizes that divide the sequence and that do not (37 tokens in blocks of 8, 5 in blocks of 64, blocks of 1), head
+   sizes 5 and 12, on ``[s, d]``, ``[b, s, d]`` and ``[b, a, s, d]``, and with scores a thousand times the usual
+   (an unshifted softmax overflows, a mask of -1e4 lets masked keys through); no tensor larger than ``q`` or the
+   ``s x block`` scores of one block is formed, and none ``[..., s, n]`` wider than a block (``n`` not the head
+   size): the whole ``s x s`` matrix fails, however it is masked afterwards, and so do blocks of another size than
+   the one asked for; and ``merge_partials`` is called once a block of keys (at least ``blocks - 1`` times);
 4. ring attention from the three: for ``cp`` = 2, 3 and 4 and uneven lengths, each rank's queries at its zig-zag
    positions merge the partial results of every rank's keys, in ring order, into the whole sequence's attention.
 
@@ -29,7 +32,6 @@ largest tensor created.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from collections.abc import Iterator
@@ -46,24 +48,31 @@ REASON = "torch's fused attention is switched off here: compute the scores, the 
 
 
 class _Watch(TorchDispatchMode):
-    """Refuses torch's fused attention kernels and records the largest tensor any operation creates."""
+    """Refuses torch's fused attention kernels and records the largest tensor any operation creates, and the
+    widest ``[..., seq_len, n]`` one whose last dimension is not the head size (scores over ``n`` keys)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seq_len: int = 0, head_dim: int = 0) -> None:
         super().__init__()
-        self.numel, self.shape = 0, ()
+        self.numel, self.shape, self.widest = 0, (), ()
+        self.seq_len, self.head_dim = seq_len, head_dim
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if FUSED_ATTENTION.search(func.__name__):
             raise guard.Forbidden(f"called {func.__name__}: {REASON}")
         out = func(*args, **(kwargs or {}))
         for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor) and tensor.numel() > self.numel:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if tensor.numel() > self.numel:
                 self.numel, self.shape = tensor.numel(), tuple(tensor.shape)
+            if (tensor.dim() >= 2 and tensor.shape[-2] == self.seq_len and tensor.shape[-1] != self.head_dim
+                    and tensor.shape[-1] > (self.widest[-1] if self.widest else 0)):
+                self.widest = tuple(tensor.shape)
         return out
 
 
 @contextmanager
-def _watched() -> Iterator[_Watch]:
+def _watched(seq_len: int = 0, head_dim: int = 0) -> Iterator[_Watch]:
     """No fused attention (the Python entry point too, where a CPU falls back to its math path) while watching."""
     original = F.scaled_dot_product_attention
 
@@ -72,7 +81,7 @@ def _watched() -> Iterator[_Watch]:
 
     F.scaled_dot_product_attention = refused
     try:
-        with _Watch() as watch:
+        with _Watch(seq_len, head_dim) as watch:
             yield watch
     finally:
         F.scaled_dot_product_attention = original
@@ -159,7 +168,7 @@ def check_zigzag(module) -> None:
     """zigzag_positions gives rank r chunks r and 2cp-1-r of the padded sequence, for any cp and length"""
     copies.refuse_copies_of_labkit()
     for cp in range(1, 9):
-        for seq_len in sorted({2 * cp * 3, 2 * cp * 5 + 1, 2 * cp * 4 - 1, 2 * cp + cp, 97}):
+        for seq_len in sorted({2 * cp * 3, 2 * cp * 5 + 1, 2 * cp * 4 - 1, 2 * cp + cp, 97, max(1, cp - 1)}):
             padded = -(-seq_len // (2 * cp)) * 2 * cp
             held = []
             for rank in range(cp):
@@ -185,26 +194,46 @@ def check_zigzag(module) -> None:
     copies.refuse_copies_of_labkit()
 
 
-BLOCKS = ((37, 8), (64, 16), (5, 64), (33, 1), (100, 32), (16, 16))
+# (tokens, block, head size, leading dimensions, scale of the scores): blocks that divide the length and ones that
+# do not; head sizes no block matches (a tensor [..., s, n] with n not the head size holds scores over n keys);
+# 2-D, 3-D and 4-D tensors; scores 1,000 and 10,000 times the usual (an unshifted softmax overflows; a mask of -1e4
+# lets masked keys in)
+CASES = ((37, 8, 5, (), 1.0), (64, 16, 12, (2, 3), 1.0), (5, 64, 5, (3,), 1.0), (33, 1, 5, (2, 3), 1.0),
+         (100, 32, 12, (), 1.0), (16, 16, 5, (2,), 1.0), (40, 8, 12, (2, 3), 1000.0), (29, 4, 5, (), 10000.0))
 
 
 @guard.no_shortcuts
 def check_blockwise(module) -> None:
     """blockwise_attention equals causal attention at any block size and never forms the s x s scores"""
     copies.refuse_copies_of_labkit()
-    for (seq, block), leading in itertools.product(BLOCKS, ((), (2, 3))):
-        shape = (*leading, seq, 8)
-        q, k, v = _qkv(shape, seed=seq + block)
+    merge, merges = module.merge_partials, []
+
+    def counted(*args):
+        merges.append(1)
+        return merge(*args)
+
+    for seq, block, dim, leading, scale in CASES:
+        shape = (*leading, seq, dim)
+        q, k, v = _qkv(shape, seed=seq + block, scale=scale)
         positions = torch.arange(seq)
-        with _watched() as watch:
-            found = _pair(module.blockwise_attention(q, k, v, block), f"blockwise_attention(..., {block})", shape)
-        _compare(found, _reference(q, k, v, positions, positions),
-                 f"blockwise_attention of {shape} in blocks of {block}", 1e-10)
+        where = f"blockwise_attention of {shape} in blocks of {block}" + (f", scores x{scale:g}" if scale > 1 else "")
+        merges.clear()
+        module.merge_partials = counted
+        try:
+            with _watched(seq, dim) as watch:
+                found = _pair(module.blockwise_attention(q, k, v, block), where, shape)
+        finally:
+            module.merge_partials = merge
+        _compare(found, _reference(q, k, v, positions, positions), where, 1e-10 if scale == 1 else 1e-8)
+        widest = watch.widest[-1] if watch.widest else 0
         allowed = max(q.numel(), math.prod(leading) * seq * min(block, seq))
-        if watch.numel > allowed:
-            raise CheckFailed(f"blockwise_attention of {shape} in blocks of {block} formed a tensor of shape "
-                              f"{watch.shape} ({watch.numel} elements); one block's scores are "
-                              f"{(*leading, seq, min(block, seq))}: never form the whole score matrix")
+        if watch.numel > allowed or widest > min(block, seq):
+            shown = watch.widest if widest > min(block, seq) else watch.shape
+            raise CheckFailed(f"{where} formed a tensor of shape {shown}; one block's scores are "
+                              f"{(*leading, seq, min(block, seq))}: never form more of the score matrix than that")
+        if len(merges) < -(-seq // block) - 1:
+            raise CheckFailed(f"{where} called merge_partials {len(merges)} times for {-(-seq // block)} blocks of "
+                              "keys: walk the keys block by block and merge each block's partial result in")
     copies.refuse_copies_of_labkit()
 
 

@@ -23,6 +23,7 @@ from labkit.parallel.context.blockwise import (
     blockwise_attention,
     causal_tiles,
     merge_partials,
+    textbook_attention,
 )
 from labkit.parallel.context.layout import (
     LAYOUTS,
@@ -37,4 +38,4 @@ from labkit.parallel.context.layout import (
 __all__ = ["DEFAULT_BLOCK_SIZE", "LAYOUTS", "STRATEGIES", "ContextParallelGroup", "Tiles", "attention_backward",
            "attention_forward", "attention_reference", "blockwise_attention", "causal_tiles", "check_ulysses_heads",
            "chunk_positions", "context_parallel_attention", "gather_sequence", "merge_partials", "pad_batch",
-           "padded_length", "ring_tiles", "shard_sequence"]
+           "padded_length", "ring_tiles", "shard_sequence", "textbook_attention"]

@@ -5,7 +5,7 @@ zig-zag) and their ``q, k, v`` ``[batch, heads, s / cp, d]``.  Everything in a t
 token by token, so it needs no communication; attention needs every earlier key.  Write ``N = b (s / cp) h``
 for the elements of one rank's ``K`` (``h = heads x d``), ``e`` for the bytes of one element.
 
-**Ring attention, pass-KV** (Liu et al. 2023; Brandon et al. 2023's zig-zag for the causal balance).  The
+**Ring attention, pass-KV** (Liu et al. 2023; "pass-KV" is Yang et al. 2024's name, beside their pass-Q).  The
 ranks form a ring; at step ``i`` rank ``r`` holds the keys and values of rank ``r - i`` and computes its queries'
 partial result against them (:func:`~labkit.parallel.context.blockwise.attention_forward`) while it passes
 them on to ``r + 1`` and receives the next block from ``r - 1`` (``isend``/``irecv``, overlapped).  The ``cp``
@@ -173,6 +173,9 @@ class _RingAttention(torch.autograd.Function):
                 out, lse = part if out is None else merge_partials(out, lse, *part)
             _wait(works)
             kv = incoming[0]
+        # In q's memory layout (q is a view of the projection's [b, s, heads, d]), as torch's kernels return it:
+        # the output projection then reads it without a copy of its own.
+        out = torch.empty_like(q).copy_(out)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.causal = cp, causal
         return out

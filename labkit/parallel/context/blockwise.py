@@ -217,6 +217,16 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     return (out, lse) if return_lse else out
 
 
+def textbook_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d)) v`` as written: the whole score matrix formed, its probabilities (and the causal
+    mask) kept for backward.  What blockwise attention avoids; lesson 13 measures both."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` from the whole ``s x s`` score matrix: the textbook formula, for checks and pictures."""

@@ -5,9 +5,10 @@ causal mask, chunk ``r``'s queries see the keys of chunks ``0 .. r``: rank ``r``
 scores and one half (the diagonal), so the last rank works about ``2 cp - 1`` times as long as the first, and
 every ring step waits for it.
 
-**Zig-zag** (``layout="zigzag"``; Brandon et al. 2023's striped idea in the head-tail form of
-zhuzilin/ring-flash-attention and Megatron-Core): cut the sequence into ``2 cp`` chunks; rank ``r`` holds chunks
-``r`` and ``2 cp - 1 - r``, an early one and its mirror from the end.  Each rank's two chunks together see the
+**Zig-zag** (``layout="zigzag"``; the head-tail split of zhuzilin/ring-flash-attention and Megatron-Core, and
+Llama 3's, Dubey et al. 2024, section 3.3.2; Brandon et al. 2023's striped attention balances the same work
+round-robin, token by token, instead): cut the sequence into ``2 cp`` chunks; rank ``r`` holds chunks ``r`` and
+``2 cp - 1 - r``, an early one and its mirror from the end.  Each rank's two chunks together see the
 same number of keys, ``2 cp + 1`` half-chunks' worth, so every rank does the same work.
 
 Both need the sequence length to divide: by ``cp`` (contiguous) or ``2 cp`` (zig-zag).  A causal sequence that
