@@ -254,12 +254,16 @@ def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int 
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an integer >= 1, got {global_batch!r}")
     layouts = candidates(shape, cluster.num_gpus, global_batch, **choices)
-    if "context_parallel" not in choices and not any(
-            layout_memory(shape, layout, global_batch, flash_attention=flash_attention, dropout=dropout,
-                          gradient_bytes=gradient_bytes)["total"] <= cluster.usable_bytes for layout in layouts):
-        # Nothing fits without context parallelism: try it (powers of two that cut the sequence into 2 cp chunks).
+    def fits(layout: Layout) -> bool:
+        return layout_memory(shape, layout, global_batch, flash_attention=flash_attention, dropout=dropout,
+                             gradient_bytes=gradient_bytes)["total"] <= cluster.usable_bytes
+
+    if "context_parallel" not in choices and not any(fits(layout) for layout in layouts):
+        # Nothing fits without context parallelism: try it (powers of two that cut the sequence into 2 cp chunks),
+        # and keep what it adds only if something then fits (else the answer, and its reason, stay without it).
         degrees = tuple(cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp <= cluster.num_gpus)
-        layouts = candidates(shape, cluster.num_gpus, global_batch, context_parallel=degrees, **choices)
+        with_cp = candidates(shape, cluster.num_gpus, global_batch, context_parallel=degrees, **choices)
+        layouts = with_cp if any(fits(layout) for layout in with_cp if layout.cp > 1) else layouts
     hardware = cluster.hardware()
     fitting, smallest = [], math.inf
     memory_options = {"flash_attention": flash_attention, "dropout": dropout, "gradient_bytes": gradient_bytes}
