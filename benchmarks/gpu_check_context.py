@@ -9,8 +9,8 @@ are GPUs enough.
    target).
 2. **Context parallelism over NCCL**: one GPU holds one NCCL rank, so with one GPU only ``cp = 1`` runs (the
    kernel alone); with ``n >= 2`` GPUs ``torchrun --nproc_per_node=n`` trains TinyGPT with ``labkit.train --cp n``
-   for each strategy, and compares one attention with torch's own ``context_parallel`` (its ring, on DTensor) on
-   the same sequence.  Exits non-zero when a path is broken.
+   for each strategy.  (A side-by-side with torch's own ``context_parallel``, on DTensor, needs those GPUs too and
+   is not written yet.)  Exits non-zero when a path is broken.
 """
 
 from __future__ import annotations
