@@ -281,26 +281,18 @@ def _heads_to_sequence(x: torch.Tensor, cp: ContextParallelGroup, what: str) -> 
     return received.transpose(0, 1).reshape(n, cp.size * group_heads, local, dim)
 
 
-class _SequenceToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """Sequence-sharded to head-sharded (``to_heads``) or back; the backward pass is the other way."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cp: ContextParallelGroup, what: str) -> torch.Tensor:
-        ctx.cp, ctx.what = cp, what
-        return _sequence_to_heads(x, cp, what)
+    def forward(ctx: Any, x: torch.Tensor, cp: ContextParallelGroup, what: str, to_heads: bool) -> torch.Tensor:
+        ctx.cp, ctx.what, ctx.to_heads = cp, what, to_heads
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x, cp, what)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _heads_to_sequence(grad.contiguous(), ctx.cp, f"d{ctx.what}"), None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cp: ContextParallelGroup, what: str) -> torch.Tensor:
-        ctx.cp, ctx.what = cp, what
-        return _heads_to_sequence(x, cp, what)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _sequence_to_heads(grad.contiguous(), ctx.cp, f"d{ctx.what}"), None, None
+        back = _heads_to_sequence if ctx.to_heads else _sequence_to_heads
+        return back(grad.contiguous(), ctx.cp, f"d{ctx.what}"), None, None, None
 
 
 def check_ulysses_heads(heads: int, cp: int) -> None:
@@ -314,12 +306,12 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParal
              causal: bool) -> torch.Tensor:
     check_ulysses_heads(q.shape[1], cp.size)
     batch, local = q.shape[0], q.shape[2]
-    qkv = _SequenceToHeads.apply(torch.cat([q, k, v]), cp, "qkv")  # one all-to-all for the three
+    qkv = _AllToAll.apply(torch.cat([q, k, v]), cp, "qkv", True)  # one all-to-all for the three
     positions = cp.all_positions(local)
     with trace.span(f"attention heads of rank {cp.rank}", "compute"):
         out, _ = BlockwiseAttention.apply(qkv[:batch], qkv[batch:2 * batch], qkv[2 * batch:], causal,
                                           cp.block_size, None, positions, positions, cp.tiles)
-    return _HeadsToSequence.apply(out, cp, "out")
+    return _AllToAll.apply(out, cp, "out", False)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallelGroup, *,

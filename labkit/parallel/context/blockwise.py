@@ -104,11 +104,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         acc = torch.zeros_like(q_rows)
         for cols in block_slices(k.shape[2], block_size):
             kind = tile_kind(q_pos[rows], k_pos[cols], causal)
+            count.add(kind)
             if kind == "skip":
-                count.skipped += 1
                 continue
-            count.computed += 1
-            count.masked += kind == "masked"
             scores = _scores(q_rows, k[:, :, cols], q_pos[rows], k_pos[cols], kind, scale)
             m_new = torch.maximum(m, scores.amax(dim=-1))
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
@@ -147,11 +145,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
         k_cols, v_cols = k[:, :, cols], v[:, :, cols]
         for rows in row_blocks:
             kind = tile_kind(q_pos[rows], k_pos[cols], causal)
+            count.add(kind)
             if kind == "skip":
-                count.skipped += 1
                 continue
-            count.computed += 1
-            count.masked += kind == "masked"
             scores = _scores(q[:, :, rows], k_cols, q_pos[rows], k_pos[cols], kind, scale)
             p = torch.exp(scores - lse_safe[:, :, rows, None])
             dout_rows = dout[:, :, rows]

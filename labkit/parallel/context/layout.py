@@ -41,6 +41,12 @@ class Tiles:
     masked: int = 0
     skipped: int = 0
 
+    def add(self, kind: str) -> None:
+        """Count one tile of :func:`tile_kind`'s ``kind``."""
+        self.computed += kind != "skip"
+        self.masked += kind == "masked"
+        self.skipped += kind == "skip"
+
     def __iadd__(self, other: Tiles) -> Tiles:
         self.computed += other.computed
         self.masked += other.masked
@@ -155,9 +161,6 @@ def ring_tiles(seq_len: int, cp: int, layout: str = "zigzag", block_size: int = 
         for theirs in positions:
             for rows in block_slices(len(mine), block_size):
                 for cols in block_slices(len(theirs), block_size):
-                    kind = tile_kind(mine[rows], theirs[cols], causal)
-                    count.computed += kind != "skip"
-                    count.masked += kind == "masked"
-                    count.skipped += kind == "skip"
+                    count.add(tile_kind(mine[rows], theirs[cols], causal))
         work.append(count)
     return work
