@@ -47,12 +47,6 @@ class Tiles:
         self.masked += kind == "masked"
         self.skipped += kind == "skip"
 
-    def __iadd__(self, other: Tiles) -> Tiles:
-        self.computed += other.computed
-        self.masked += other.masked
-        self.skipped += other.skipped
-        return self
-
 
 def block_slices(length: int, block_size: int) -> list[slice]:
     return [slice(start, min(start + block_size, length)) for start in range(0, length, block_size)]
