@@ -18,6 +18,13 @@ wrapper runs over ``group("dp_cp")``, the ``dp * cp`` ranks that share this rank
 With ``cp = 1`` (the default) everything below reads as the 3-D grid; ``describe_layout`` then leaves the cp
 column out.
 
+**Expert parallelism is folded over dp x cp** (``ep``; :mod:`labkit.parallel.experts`), as torchtitan's
+``dp2ep`` and Megatron-Core's expert groups do: it adds no ranks.  The ``dp * cp`` ranks that hold the same
+attention weights hold the MoE layers' experts split ``ep`` ways: ``group("ep")`` is ``ep`` consecutive ranks of
+a dp x cp group (the innermost ones, so cp's neighbours: the closest links go to the all-to-all), each holding
+``E / ep`` experts, and ``group("edp")`` the ``dp * cp / ep`` ranks holding the same experts, which average the
+experts' gradients as dp x cp averages the rest.  Attention is data-parallel, experts expert-parallel.
+
 **The layout.**  Global rank ``r`` sits at ``(pp, dp, cp, tp)`` with
 ``r = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp``: the grid ``arange(world_size).view(pp, dp, cp,
 tp)``, tp innermost and pp outermost.  On 8 ranks with
@@ -56,6 +63,7 @@ from labkit.dist import backend, device, require_group
 
 DIMS = ("pp", "dp", "cp", "tp")  # the grid's axes, outermost first
 FLATTENED = {"dp_cp": ("dp", "cp")}  # groups over several dimensions at once: the data-parallel wrapper's
+EXPERT_GROUPS = ("ep", "edp")  # expert parallelism, folded over dp x cp: the all-to-all's, the experts' replicas
 
 
 def _check_degrees(dp: object, tp: object, pp: object, cp: object = 1) -> dict[str, int]:
@@ -89,9 +97,20 @@ def mesh_coordinates(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp:
             for rank in range(world_size)]
 
 
-def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> dict[str, list[list[int]]]:
+def check_ep(ep: object, dp: int, cp: int = 1) -> int:
+    """``ep`` must be a positive integer dividing ``dp * cp`` (it is folded over them); ``ValueError``."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep must be an integer >= 1 (ranks the experts are split over), got {ep!r}")
+    if (dp * cp) % ep:
+        raise ValueError(f"expert parallelism is folded over the dp x cp ranks: ep={ep} must divide "
+                         f"dp * cp = {dp} * {cp} = {dp * cp}")
+    return ep
+
+
+def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
+                ep: int = 1) -> dict[str, list[list[int]]]:
     """Per dimension (and per flattened pair, :data:`FLATTENED`), every group's global ranks: the ranks whose
-    other coordinates are equal."""
+    other coordinates are equal; with ``ep > 1`` also ``"ep"`` and ``"edp"`` (:data:`EXPERT_GROUPS`)."""
     coordinates = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
     groups: dict[str, list[list[int]]] = {}
     for name, dims in [(dim, (dim,)) for dim in DIMS] + list(FLATTENED.items()):
@@ -99,12 +118,15 @@ def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int 
         for rank, coords in enumerate(coordinates):
             by_others.setdefault(tuple(coords[other] for other in DIMS if other not in dims), []).append(rank)
         groups[name] = list(by_others.values())
+    if check_ep(ep, dp, cp) > 1:  # consecutive ranks of each dp x cp group, and the strided replicas
+        groups["ep"] = [ranks[i:i + ep] for ranks in groups["dp_cp"] for i in range(0, len(ranks), ep)]
+        groups["edp"] = [ranks[i::ep] for ranks in groups["dp_cp"] for i in range(ep)]
     return groups
 
 
-def describe_layout(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> str:
+def describe_layout(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> str:
     """A table of every rank's coordinates, then each dimension's groups (no process group needed).  The cp
-    column and groups appear when ``cp > 1``."""
+    column and groups appear when ``cp > 1``, the ep and edp groups when ``ep > 1``."""
     _check_degrees(dp, tp, pp, cp)
     world_size = dp * cp * tp * pp
     coordinates = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
@@ -112,8 +134,8 @@ def describe_layout(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> str:
     lines = ["rank  " + "  ".join(f"{dim:>2}" for dim in shown)]
     lines += [f"{rank:>4}  " + "  ".join(f"{coords[dim]:>2}" for dim in shown)
               for rank, coords in enumerate(coordinates)]
-    groups = mesh_groups(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
-    for dim in reversed(shown):
+    groups = mesh_groups(world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    for dim in [*reversed(shown), *(EXPERT_GROUPS if ep > 1 else ())]:
         lines.append(f"{dim} groups: " + " ".join(map(str, groups[dim])))
     return "\n".join(lines)
 
@@ -127,31 +149,36 @@ class Mesh:
     group, ``RuntimeError``.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1):
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
         degrees = _check_degrees(dp, tp, pp, cp)
+        check_ep(ep, dp, cp)
         require_group()
         _check_world_size(torch_dist.get_world_size(), degrees)
-        self.dp, self.tp, self.pp, self.cp = dp, tp, pp, cp
+        self.dp, self.tp, self.pp, self.cp, self.ep = dp, tp, pp, cp, ep
         self.device_mesh: DeviceMesh = init_device_mesh(device().type, (pp, dp, cp, tp), mesh_dim_names=DIMS)
         # The flattened dp x cp groups, made by every rank in the same order (a collective, like the mesh's own).
         self._flattened: dict[str, torch_dist.ProcessGroup] = {}
-        for name, groups in mesh_groups(torch_dist.get_world_size(), dp=dp, tp=tp, pp=pp, cp=cp).items():
-            if name in FLATTENED:
+        for name, groups in mesh_groups(torch_dist.get_world_size(), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep).items():
+            if name in FLATTENED or name in EXPERT_GROUPS:
                 for ranks in groups:
-                    group = self.group(FLATTENED[name][0]) if cp == 1 else torch_dist.new_group(ranks)
+                    group = self.group("dp") if name == "dp_cp" and cp == 1 else torch_dist.new_group(ranks)
                     if torch_dist.get_rank() in ranks:
                         self._flattened[name] = group
 
     def _check_dim(self, dim: object, flattened: bool = False) -> str:
-        if not isinstance(dim, str) or dim not in DIMS + (tuple(FLATTENED) if flattened else ()):
-            allowed = ", ".join(repr(d) for d in DIMS + (tuple(FLATTENED) if flattened else ()))
-            raise ValueError(f"dim must be one of {allowed}, got {dim!r}")
+        names = DIMS + ((*FLATTENED, *EXPERT_GROUPS) if flattened else ())
+        if not isinstance(dim, str) or dim not in names:
+            raise ValueError(f"dim must be one of {', '.join(repr(d) for d in names)}, got {dim!r}")
         return dim
 
     def group(self, dim: str) -> torch_dist.ProcessGroup:
         """The process group of the ranks that share this rank's other coordinates (``"dp_cp"``: all but dp's and
-        cp's)."""
-        if self._check_dim(dim, flattened=True) in FLATTENED:
+        cp's; ``"ep"``, ``"edp"``: see the module docstring; with ``ep = 1``, ``"edp"`` is ``"dp_cp"``)."""
+        if self._check_dim(dim, flattened=True) in EXPERT_GROUPS and self.ep == 1:
+            if dim == "ep":
+                raise ValueError("this mesh has no expert parallelism (ep=1): there is no ep group")
+            return self.group("dp_cp")
+        if dim in FLATTENED or dim in EXPERT_GROUPS:
             return self._flattened[dim]
         return self.device_mesh.get_group(dim)
 
@@ -176,7 +203,8 @@ class Mesh:
         here = ", ".join(f"{dim}={index}" for dim, index in self.coords().items())
         return (f"{self!r} over {torch_dist.get_world_size()} ranks ({backend()}, {device().type}); "
                 f"rank {torch_dist.get_rank()} is at {here}\n"
-                + describe_layout(self.dp, self.tp, self.pp, self.cp))
+                + describe_layout(self.dp, self.tp, self.pp, self.cp, self.ep))
 
     def __repr__(self) -> str:
-        return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}" + (f", cp={self.cp})" if self.cp > 1 else ")")
+        return (f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}" + (f", cp={self.cp}" if self.cp > 1 else "")
+                + (f", ep={self.ep}" if self.ep > 1 else "") + ")")

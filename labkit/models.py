@@ -71,6 +71,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.data import VOCAB_SIZE
+from labkit.parallel.experts.layer import Expert, MoE
+from labkit.parallel.experts.router import check_moe
 
 IGNORE_INDEX = -100  # a target the loss leaves out (F.cross_entropy's ignore_index): a padded sequence's end
 
@@ -134,6 +136,15 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorms
     tie_weights: bool = True  # LM head shares the token embedding's weight
+    # Mixture of experts (labkit.parallel.experts): n_experts > 0 makes every block's MLP an MoE layer.
+    n_experts: int = 0
+    top_k: int = 2  # experts per token
+    expert_hidden: int | None = None  # each expert's hidden width (None: 4 n_embd, the dense MLP's)
+    n_shared_experts: int = 0  # experts every token goes through (DeepSeek-V3)
+    router: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    capacity_factor: float | None = None  # None: drop nothing
+    aux_loss_weight: float = 0.0  # Switch's load-balancing loss (0.01 in the paper)
+    bias_update_rate: float = 0.0  # DeepSeek-V3's bias balancing (gamma; 0.001 in the paper); 0: off
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -144,6 +155,12 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts must be an integer >= 0 (0: a dense MLP), got {self.n_experts!r}")
+        if self.n_experts:
+            check_moe(self.n_experts, self.top_k, score=self.router, capacity_factor=self.capacity_factor,
+                      n_shared_experts=self.n_shared_experts, expert_hidden=self.expert_hidden,
+                      aux_loss_weight=self.aux_loss_weight, bias_update_rate=self.bias_update_rate)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:
@@ -204,15 +221,20 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.proj(merged))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+class MLP(Expert):
+    """The dense block's MLP, ``4 n_embd`` wide: one expert of an MoE layer, at the dense width."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+    def __init__(self, config: GPTConfig):
+        super().__init__(config.n_embd, 4 * config.n_embd, config.bias, config.dropout)
+
+
+def feed_forward(config: GPTConfig) -> nn.Module:
+    """A block's second half: the MLP, or with ``n_experts > 0`` a mixture of experts."""
+    if not config.n_experts:
+        return MLP(config)
+    return MoE(config.n_embd, config.n_experts, config.top_k, expert_hidden=config.expert_hidden,
+               score=config.router, capacity_factor=config.capacity_factor, n_shared_experts=config.n_shared_experts,
+               aux_loss_weight=config.aux_loss_weight, bias=config.bias)
 
 
 class Block(nn.Module):
@@ -221,7 +243,7 @@ class Block(nn.Module):
         self.attn_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = feed_forward(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -277,7 +299,7 @@ class TinyGPT(nn.Module):
             if module is self.lm_head and self.config.tie_weights:
                 continue  # it is the token embedding
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual = name.endswith((".attn.proj", ".mlp.proj"))
+                is_residual = name.endswith(".proj")  # attention's, the MLP's, every expert's
                 draws.append((name, module.weight.shape, residual_std if is_residual else 0.02))
         return draws
 
@@ -296,6 +318,8 @@ class TinyGPT(nn.Module):
                 module.weight.fill_(1.0)
                 if module.bias is not None:
                     module.bias.zero_()
+        for buffer in self.buffers():  # an MoE router's balancing bias and load count start at zero
+            buffer.zero_()
 
     @property
     def block_indices(self) -> tuple[int, ...]:

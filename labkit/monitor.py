@@ -116,9 +116,11 @@ class Alarm:
 
 def parameter_fingerprint(module: nn.Module) -> float:
     """The sum of every parameter's squares, in float64: equal on replicas that hold the same values (to the bit),
-    and moved by any update (no sign cancels it)."""
+    and moved by any update (no sign cancels it).  An expert-parallel rank's own experts are left out: the data-
+    parallel ranks hold different ones."""
     with torch.no_grad():
-        return float(sum(parameter.detach().double().square().sum() for parameter in module.parameters()))
+        return float(sum(parameter.detach().double().square().sum() for parameter in module.parameters()
+                         if not getattr(parameter, "expert_parallel", False)))
 
 
 class DivergenceAlarm:

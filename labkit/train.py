@@ -93,6 +93,7 @@ from labkit.mesh import Mesh
 from labkit.models import TinyGPT, TinyMLP
 from labkit.parallel.base import ParallelWrapper, SingleProcess
 from labkit.parallel.ddp import DistributedDataParallel
+from labkit.parallel.experts.model import balance_experts
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.parallelize import DP_WRAPPERS, parallelize
 from labkit.parallel.zero import ZeroDataParallel
@@ -173,7 +174,7 @@ def train(config: TrainConfig) -> dict:
     world = dist.world_size()
     config.resolve(world)
     if config.three_d:
-        mesh = Mesh(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp)
+        mesh = Mesh(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep)
     else:
         mesh = Mesh(dp=world) if dist.is_initialized() else None
     fault = _fault(config)
@@ -202,6 +203,7 @@ def train(config: TrainConfig) -> dict:
     if dist.is_main():
         layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}"
                   + (f" x cp={config.cp} ({config.cp_strategy}, {config.cp_layout})" if config.cp > 1 else "")
+                  + (f", experts over ep={config.ep}" if config.ep > 1 else "")
                   + f", {DP_WRAPPERS[config.zero]} over dp, "
                   f"{config.schedule} with {config.microbatches} micro-batch{'es' if config.microbatches > 1 else ''}"
                   if config.three_d
@@ -234,6 +236,8 @@ def train(config: TrainConfig) -> dict:
         with trace.span("optimizer step", "compute") if traced else contextlib.nullcontext():
             scaler.step(optimizer)
             scaler.update()
+        if config.bias_update_rate:  # DeepSeek-V3's balancing, from the step's load over the data-parallel ranks
+            balance_experts(model.module, config.bias_update_rate, mesh.group("dp_cp") if mesh else None)
         if traced:
             spans = _write_trace(config.trace)
         history.append(loss.item())

@@ -52,6 +52,13 @@ class TrainConfig:
     cp: int | None = None  # context parallelism: each sequence split over cp ranks (labkit.parallel.context)
     cp_strategy: str = "ring"  # or "all_gather" (Llama 3), "ulysses" (all-to-all)
     cp_layout: str = "zigzag"  # or "contiguous" (the causal imbalance, for comparison)
+    ep: int | None = None  # expert parallelism, folded over dp x cp (labkit.parallel.experts)
+    experts: int = 0  # MoE: experts per block (0: dense MLPs)
+    top_k: int = 2  # MoE: experts per token
+    capacity_factor: float | None = None  # MoE: None drops nothing
+    router: str = "softmax"  # MoE: or "sigmoid" (DeepSeek-V3)
+    aux_loss_weight: float = 0.0  # MoE: Switch's load-balancing loss weight
+    bias_update_rate: float = 0.0  # MoE: DeepSeek-V3's bias balancing step (0: off)
     zero: int = 0  # 3D: the data-parallel wrapper, 0 DDP, 1/2 ZeRO-1/2, 3 FSDP
     schedule: str = "1f1b"
     microbatches: int | None = None  # per step; default 2 pp (1 without a pipeline)
@@ -74,11 +81,14 @@ class TrainConfig:
 
     @property
     def three_d(self) -> bool:
-        return any(degree is not None for degree in (self.dp, self.tp, self.pp, self.cp))
+        return any(degree is not None for degree in (self.dp, self.tp, self.pp, self.cp, self.ep))
 
     def gpt_config(self) -> GPTConfig:
         """The model's config; a pipeline of several stages cannot tie the embedding to the head."""
-        return GPTConfig.preset(self.preset, **({"tie_weights": False} if (self.pp or 1) > 1 else {}))
+        moe = {"n_experts": self.experts, "top_k": self.top_k, "capacity_factor": self.capacity_factor,
+               "router": self.router, "aux_loss_weight": self.aux_loss_weight,
+               "bias_update_rate": self.bias_update_rate} if self.experts else {}
+        return GPTConfig.preset(self.preset, **({"tie_weights": False} if (self.pp or 1) > 1 else {}), **moe)
 
     def meta_model(self) -> torch.nn.Module:
         """The model, built on the ``meta`` device: its shapes, without memory or initialisation."""
@@ -125,7 +135,7 @@ class TrainConfig:
         if not self.three_d:
             return
         tp, pp, cp = self.tp or 1, self.pp or 1, self.cp or 1
-        for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", self.dp or 1)):
+        for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", self.dp or 1), ("ep", self.ep or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name} must be an integer >= 1, got {value!r}")
         if self.dp is None:
@@ -133,7 +143,7 @@ class TrainConfig:
                 raise ValueError(f"--tp {tp} * --pp {pp} * --cp {cp} = {tp * pp * cp} does not divide the "
                                  f"{world_size} ranks, so no data-parallel degree fits")
             self.dp = world_size // (tp * pp * cp)
-        self.tp, self.pp, self.cp = tp, pp, cp
+        self.tp, self.pp, self.cp, self.ep = tp, pp, cp, self.ep or 1
         self.microbatches = self.default_microbatches()
         self._check_layout(world_size)
 
@@ -142,12 +152,21 @@ class TrainConfig:
         check_3d(config, self.dp or 1, self.tp or 1, self.pp or 1, zero=self.zero, schedule=self.schedule,
                  microbatches=self.default_microbatches(), virtual_stages=self.virtual_stages,
                  batch_size=self.batch_size, world_size=world_size, cp=self.cp or 1, cp_strategy=self.cp_strategy,
-                 cp_layout=self.cp_layout, seq_len=config.block_size)
+                 cp_layout=self.cp_layout, seq_len=config.block_size,
+                 ep=(self.ep or 1) if self.dp is not None else 1)  # ep divides dp: checked once dp is known
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value, before any process starts."""
         if self.strategy not in STRATEGY_NAMES:
             raise ValueError(f"--strategy must be one of {STRATEGY_NAMES}, got {self.strategy!r}")
+        moe_flags = (self.top_k, self.capacity_factor, self.router, self.aux_loss_weight, self.bias_update_rate)
+        if not self.experts and moe_flags != (2, None, "softmax", 0.0, 0.0):
+            raise ValueError("--top-k, --capacity-factor, --router, --aux-loss-weight and --bias-update-rate "
+                             "configure MoE blocks: give --experts E too")
+        if self.experts and self.model != "tiny-gpt":
+            raise ValueError(f"--experts replaces a transformer's MLPs: use --model tiny-gpt, not {self.model}")
+        if self.model == "tiny-gpt":
+            self.gpt_config()  # the MoE settings' own checks (ValueError naming the value)
         if self.model not in MODELS:
             raise ValueError(f"--model must be one of {MODELS}, got {self.model!r}")
         if self.model == "tiny-gpt":
@@ -234,6 +253,16 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
                         help="context parallelism: each sequence split over CP ranks (default 1)")
     parser.add_argument("--cp-strategy", default="ring", help="with --cp: ring, all_gather or ulysses")
     parser.add_argument("--cp-layout", default="zigzag", help="with --cp: zigzag (balanced) or contiguous")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert parallelism: the experts split over EP of the dp x cp ranks (default 1)")
+    parser.add_argument("--experts", type=int, default=0, help="MoE: experts per block (default 0: dense MLPs)")
+    parser.add_argument("--top-k", type=int, default=2, help="MoE: experts each token goes to")
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="MoE: an expert takes at most ceil(C T k / E) of T tokens' choices (default: no limit)")
+    parser.add_argument("--router", default="softmax", help="MoE: softmax (Switch, Mixtral) or sigmoid (DeepSeek-V3)")
+    parser.add_argument("--aux-loss-weight", type=float, default=0.0, help="MoE: load-balancing loss weight")
+    parser.add_argument("--bias-update-rate", type=float, default=0.0,
+                        help="MoE: DeepSeek-V3's auxiliary-loss-free balancing step, per step (default 0: off)")
     parser.add_argument("--zero", type=int, default=0, help="3D: over dp, 0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP")
     parser.add_argument("--schedule", default="1f1b", help=f"3D: pipeline schedule, one of {', '.join(SCHEDULES)}")
     parser.add_argument("--microbatches", type=int, default=None,
@@ -267,7 +296,7 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
         if None in (config.dp, config.tp, config.pp) and not dist.in_torchrun():
             raise ValueError("a 3D run needs --nprocs N (or all of --dp, --tp and --pp, whose product, times --cp, "
                              "it is)")
-        nprocs = (config.dp or 1) * (config.tp or 1) * (config.pp or 1) * (config.cp or 1)
+        nprocs = (config.dp or 1) * (config.tp or 1) * (config.pp or 1) * (config.cp or 1)  # ep: folded over dp
     else:
         nprocs = 1 if config.strategy == "single" else 2
     if nprocs < 1:

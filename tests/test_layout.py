@@ -23,9 +23,12 @@ MAX_LINES = 420  # DESIGN.md: "under 300-400 lines per module", with room for a 
 LAYERS = [  # lowest first; a module's layer is the first prefix that matches
     # The pipeline's schedules and their simulator are tables and arithmetic, no process group: analytical
     # models (the 3D step model prices a schedule with them), kept beside the runtime that runs the same tables;
-    # so is context parallelism's layout (which tokens a rank holds, the causal work of each tile).
+    # so is context parallelism's layout (which tokens a rank holds, the causal work of each tile), and the MoE layer
+    # that TinyGPT's blocks hold (router, permutation, layer: one process; expert parallelism is a layer above).
     ("workloads and models", ("labkit.costmodel", "labkit.data", "labkit.models", "labkit.parallel.pipeline.schedule",
-                              "labkit.parallel.pipeline.simulate", "labkit.parallel.context.layout")),
+                              "labkit.parallel.pipeline.simulate", "labkit.parallel.context.layout",
+                              "labkit.parallel.experts.router", "labkit.parallel.experts.permute",
+                              "labkit.parallel.experts.layer")),
     ("runtime", ("labkit.dist", "labkit.collective_log", "labkit.collective_check", "labkit.worker", "labkit.launch",
                  "labkit.mesh", "labkit.trace",
                  "labkit.collectives", "labkit.measure", "labkit.calibrate", "labkit.claims")),

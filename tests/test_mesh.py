@@ -137,7 +137,7 @@ def _bad_mesh_errors(world_size: int) -> dict:
         errors["groups_made"] = len(made)
         mesh = Mesh(dp=world_size)
         errors["groups_made_by_a_good_mesh"] = len(made)
-        for dim in ("ep", "DP", 0):
+        for dim in ("xp", "DP", 0):
             try:
                 mesh.group(dim)
                 errors[repr(dim)] = "no error"
@@ -222,7 +222,7 @@ def test_bad_sizes_raise_on_every_rank_before_any_group_is_made(reports, world_s
         assert f"pp=2 = {2 * world_size}, but" in errors[str({"dp": world_size, "pp": 2})]
         assert "tp must be an integer >= 1" in errors[str({"tp": 0})]
         assert errors["groups_made"] == 0 and errors["groups_made_by_a_good_mesh"] == 1
-        for dim in ("ep", "DP", 0):
+        for dim in ("xp", "DP", 0):
             assert f"got {dim!r}" in errors[repr(dim)] and "'pp', 'dp', 'cp', 'tp'" in errors[repr(dim)]
 
 

@@ -107,7 +107,7 @@ def tensor_parallel_collectives(config: GPTConfig, micro_batch: int, seq_len: in
         if sequence_parallel:
             one.append(Collective("backward", "all_gather", "embedding", size))
     for index in range(blocks):
-        for half in ("attn", "mlp"):
+        for half in ("attn",) if config.n_experts else ("attn", "mlp"):  # an MoE layer runs whole on each rank
             one += layer_collectives(f"blocks.{index}.{half}", micro_batch, seq_len, config.n_embd, tp_degree,
                                      sequence_parallel, value_bytes)
     if head:

@@ -47,6 +47,7 @@ from torch import nn
 
 from labkit.dist import global_rank, require_group
 from labkit.measure import model_state_bytes
+from labkit.parallel.experts.layer import aux_loss_scale
 
 # torch 2.14 renamed the flat collectives (the old names still work, with a warning); we support torch >= 2.4.
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -117,7 +118,8 @@ class ParallelWrapper(nn.Module):
         output.  A pipeline (:class:`labkit.parallel.parallelize.Parallel3D`) runs its schedule instead.
         """
         takes_targets = len(inspect.signature(self.module.forward).parameters) >= 2
-        output = self(inputs, targets) if takes_targets else self(inputs)
+        with aux_loss_scale(loss_scale):  # an MoE layer's auxiliary loss: the gradient scale the loss gets
+            output = self(inputs, targets) if takes_targets else self(inputs)
         loss = output[1] if isinstance(output, tuple) else nn.functional.cross_entropy(output, targets)
         (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         return loss.detach()
@@ -303,6 +305,13 @@ def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 @torch.no_grad()
+def replicated_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s named parameters that data parallelism keeps alike on every rank: all but those marked
+    ``expert_parallel`` (the experts only this rank holds; :func:`labkit.parallel.experts.apply_expert_parallel`),
+    whose gradients are reduced over their own group."""
+    return [(name, p) for name, p in module.named_parameters() if not getattr(p, "expert_parallel", False)]
+
+
 def broadcast_from_first_rank(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """Overwrite ``tensors`` with the group's first rank's values: one broadcast per (dtype, device) of the
     tensors flattened together, rather than one small message each."""

@@ -117,6 +117,7 @@ from labkit.parallel.base import (
     broadcast_from_first_rank,
     check_same_model,
     queue_end_of_backward,
+    replicated_parameters,
 )
 from labkit.parallel.compression import GradientCompression
 
@@ -190,17 +191,15 @@ class DistributedDataParallel(ParallelWrapper):
                          gradient_as_bucket_view)  # before any communication
         super().__init__(module, group)
         self.bucket_cap_mb = float(bucket_cap_mb)
-        self.overlap = overlap
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.compression = compression
-        self.broadcast_buffers = broadcast_buffers
+        self.overlap, self.gradient_as_bucket_view = overlap, gradient_as_bucket_view
+        self.compression, self.broadcast_buffers = compression, broadcast_buffers
 
-        trainable = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
-        if not trainable:
+        shared = replicated_parameters(module)  # all but an expert-parallel rank's own experts
+        if not (trainable := [(name, param) for name, param in shared if param.requires_grad]):
             raise ValueError("module has no parameter that requires a gradient: there is nothing to average")
-        check_same_model(list(module.named_parameters()) + list(module.named_buffers()), self.group)
+        check_same_model(shared + list(module.named_buffers()), self.group)
         self._module_buffers = list(module.buffers())
-        broadcast_from_first_rank(list(module.parameters()) + self._module_buffers, self.group)
+        broadcast_from_first_rank([param for _, param in shared] + self._module_buffers, self.group)
 
         self._buckets: list[_Bucket] = []
         for index, positions in enumerate(assign_buckets(trainable, int(self.bucket_cap_mb * MiB))):

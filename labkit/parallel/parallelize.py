@@ -9,7 +9,8 @@ The three are applied in the order torchtitan applies them, each inside the grou
    (:class:`~labkit.parallel.tensor.TensorParallel`: heads, MLP columns and rows, the vocabulary);
 3. **context** (cp, when the mesh has ``cp > 1``): every stage's attention runs over the cp group, each rank
    holding ``s / cp`` of every sequence (:mod:`labkit.parallel.context.model`: ring, all-gather or Ulysses,
-   ``cp_strategy``; contiguous or zig-zag, ``cp_layout``);
+   ``cp_strategy``; contiguous or zig-zag, ``cp_layout``); **experts** (ep, when ``ep > 1``): every MoE layer
+   keeps ``E / ep`` experts and routes over the ep group (:mod:`labkit.parallel.experts.model`);
 4. **data** (dp): the ranks that hold the same piece of the same stages are replicas: DDP (``zero=0``),
    ZeRO-1 or ZeRO-2 around this rank's stages, or FSDP (``zero=3``) around its one stage, over the dp group,
    or with cp the ``dp x cp`` group (``Mesh.group("dp_cp")``: the cp ranks of a sequence hold the same weights).
@@ -71,6 +72,8 @@ from labkit.parallel.context.attention import ContextParallelGroup
 from labkit.parallel.context.layout import check_sequence
 from labkit.parallel.context.model import apply_context_parallel, check_context_parallel, shard_batch
 from labkit.parallel.ddp import DistributedDataParallel
+from labkit.parallel.experts.layer import is_expert_parallel
+from labkit.parallel.experts.model import ExpertsIn3D, balance_experts, check_expert_layout
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.pipeline import schedule as schedules
 from labkit.parallel.pipeline.runtime import run_schedule
@@ -93,7 +96,7 @@ DP_WRAPPERS = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
 def check_3d(config: GPTConfig, dp: int, tp: int, pp: int, *, zero: int = 0, schedule: str = "1f1b",
              microbatches: int = 1, virtual_stages: int = 1, batch_size: int | None = None,
              seq_len: int | None = None, world_size: int | None = None, cp: int = 1, cp_strategy: str = "ring",
-             cp_layout: str = "zigzag") -> schedules.Schedule:
+             cp_layout: str = "zigzag", ep: int = 1) -> schedules.Schedule:
     """Every check of a 3D (or, with ``cp > 1``, 4D) layout that needs no process group; returns the step's
     schedule.
 
@@ -107,6 +110,7 @@ def check_3d(config: GPTConfig, dp: int, tp: int, pp: int, *, zero: int = 0, sch
         raise ValueError(f"{named} must equal the number of ranks: {values} = {dp * cp * tp * pp}, "
                          f"but there are {world_size} (choose degrees whose product is {world_size})")
     check_context_parallel(config, cp, tp, cp_strategy, cp_layout, seq_len)
+    check_expert_layout(config, ep, dp, cp, zero)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
@@ -163,7 +167,7 @@ class Parallel3D(ParallelWrapper):
         plan = check_3d(config, mesh.dp, mesh.tp, mesh.pp, zero=zero, schedule=schedule, microbatches=microbatches,
                         virtual_stages=virtual_stages, batch_size=micro_batch_size * microbatches, seq_len=seq_len,
                         world_size=dist.get_world_size(), cp=mesh.cp, cp_strategy=cp_strategy,
-                        cp_layout=cp_layout)
+                        cp_layout=cp_layout, ep=mesh.ep)
         stage_indices = list(range(mesh.rank("pp"), plan.stages, mesh.pp))
         # 1. the pipeline's cut, 2. tensor parallelism inside each stage, 3. context parallelism of attention
         tensor_parallel = [TensorParallel(_stage_module(model, s, plan.stages), mesh.group("tp"), seed=seed)
@@ -172,6 +176,8 @@ class Parallel3D(ParallelWrapper):
         self.cp_strategy = cp_strategy
         for tp in tensor_parallel if self.context_parallel else []:
             apply_context_parallel(tp.module, self.context_parallel, seq_len, cp_strategy)
+        # 3b. expert parallelism of the MoE layers, folded over dp x cp (see labkit.parallel.experts.model)
+        self.experts = ExpertsIn3D(mesh, [tp.module for tp in tensor_parallel]) if mesh.ep > 1 else None
         super().__init__(nn.ModuleList(tensor_parallel), None)
         self.schedule, self.stage_indices, self.tensor_parallel = plan, stage_indices, tensor_parallel
         self.mesh, self.zero, self.config, self.overlap_dp = mesh, zero, config, bool(overlap_dp)
@@ -182,16 +188,17 @@ class Parallel3D(ParallelWrapper):
         if zero == 3:
             self.data_parallel: ParallelWrapper = FullyShardedDataParallel(self.tensor_parallel[0], group=dp_group)
             runs = [self.data_parallel]
-        else:
-            stages = self.module
-            self.data_parallel = (DistributedDataParallel(stages, bucket_cap_mb=bucket_cap_mb, group=dp_group)
-                                  if zero == 0 else ZeroDataParallel(stages, stage=zero, bucket_cap_mb=bucket_cap_mb,
-                                                                     group=dp_group))
+        else:  # DDP: buffers (an MoE router's bias) stay alike by construction, no broadcast before a forward
+            options = {"broadcast_buffers": False} if zero == 0 else {"stage": zero}
+            wrapper = DistributedDataParallel if zero == 0 else ZeroDataParallel
+            self.data_parallel = wrapper(self.module, bucket_cap_mb=bucket_cap_mb, group=dp_group, **options)
             runs = self.tensor_parallel
         self.stages = [PipelineStage(run, s, self.schedule.stages, mesh, micro_batch_size=micro_batch_size,
                                      seq_len=local_len, num_microbatches=self.schedule.m, hidden_size=config.n_embd)
                        for run, s in zip(runs, self.stage_indices, strict=True)]
         self.split = {name: spec for tp in self.tensor_parallel for name, spec in tp.split_parameters().items()}
+        self.expert_names = {threed_state.plain_name(name) for name, p in self.module.named_parameters()
+                             if is_expert_parallel(p)}
         self.timeline: Timeline | None = None  # the last step's, when forward_backward(timeline=True)
         self._p2p: Counter = Counter()
 
@@ -223,6 +230,8 @@ class Parallel3D(ParallelWrapper):
             inputs, targets, weight = shard_batch(inputs, targets, self.mesh.cp, self.mesh.rank("cp"),
                                                   self.context_parallel.layout)
             self.context_parallel.log.clear()
+        if self.experts is not None:
+            self.experts.start_step()
         for stage in self.stages:
             stage.loss_scale = float(loss_scale) * weight
         for wrapper in self._wrappers():
@@ -243,6 +252,8 @@ class Parallel3D(ParallelWrapper):
         if not overlapped:
             with trace.span(f"dp {'all-reduce' if self.zero < 2 else 'reduce-scatter'} gradients", "comm"):
                 self.data_parallel.reduce_gradients()
+        if self.experts is not None:  # the experts' replicas, which the data-parallel wrapper left alone
+            self.experts.reduce_gradients(self.module)
         self._count_p2p()
         self.timeline = run.timeline
         pp = self.mesh.group("pp")
@@ -257,10 +268,8 @@ class Parallel3D(ParallelWrapper):
     def _count_p2p(self) -> None:
         """The pipeline's point-to-point bytes of the step just run, sent by this rank."""
         one = math.prod(self.stages[0].activation_shape) * self.stages[0].dtype.itemsize
-        self._p2p = Counter()
         sends = sum((not stage.is_last) + (not stage.is_first) for stage in self.stages)
-        if sends:
-            self._p2p["pp send"] = one * self.schedule.m * sends
+        self._p2p = Counter({"pp send": one * self.schedule.m * sends} if sends else {})
 
     # -- the contract ----------------------------------------------------------------------------------------
 
@@ -285,6 +294,7 @@ class Parallel3D(ParallelWrapper):
         found.update({f"dp {kind}": n for kind, n in self.data_parallel.communication_per_step().items()})
         for _, kind, n in self.context_parallel.log if self.context_parallel else []:
             found[f"cp {kind}"] += n
+        found.update(self.experts.communication() if self.experts else {})
         return dict(found)
 
     def predicted_communication(self) -> dict[str, int]:
@@ -304,6 +314,9 @@ class Parallel3D(ParallelWrapper):
                                           self.config.n_embd // self.config.n_head,
                                           self.stages[0].dtype.itemsize):
                 found[f"cp {kind}"] += n * blocks * self.schedule.m
+        if self.experts is not None:  # from the splits the router made: the model takes the routing as given
+            found.update(self.experts.predicted(self.config.n_embd * self.stages[0].dtype.itemsize,
+                                                self.config.n_experts))
         return dict(found)
 
     def _root_gathers(self) -> int:
@@ -344,7 +357,8 @@ class Parallel3D(ParallelWrapper):
             if norm_type == math.inf:
                 local = torch.maximum(local, g.detach().abs().max().float()) if g.numel() else local
             else:
-                copies = dp_copies * (1 if name in self.split else self.mesh.tp)
+                copies = self.experts.copies() if name in self.expert_names else \
+                    dp_copies * (1 if name in self.split else self.mesh.tp)
                 local += g.detach().float().norm(norm_type) ** norm_type / copies
         dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
         total = local if norm_type == math.inf else local ** (1.0 / norm_type)
@@ -352,6 +366,11 @@ class Parallel3D(ParallelWrapper):
         for g in grads.values():
             g.mul_(coefficient.to(g.dtype))
         return total
+
+    def balance_experts(self, rate: float | None = None) -> None:
+        """DeepSeek-V3's bias update of the MoE layers held (``rate``: default the config's) from the step's load
+        summed over dp x cp; call after the optimizer step."""
+        balance_experts(self.module, self.config.bias_update_rate if rate is None else rate, self.mesh.group("dp_cp"))
 
     # -- dense states: gathered over dp (FSDP), tp (the slices) and pp (the stages) ----------------------------
 

@@ -6,7 +6,8 @@ slices (rows or columns, :mod:`labkit.parallel.tensor.state`); and with FSDP onl
 undoes the three cuts in the opposite order: FSDP's shards over dp (``full_state_dict`` of the FSDP wrapper),
 the slices over tp (the all-gather along each split dimension, padding dropped), then the stages over pp (an
 object all-gather, merged in stage order).  Adam's per-element moments have their parameter's shape and follow
-the same path; its scalars (the step) are whole everywhere.  Loading reads the dense tensors on every rank and
+the same path; its scalars (the step) are whole everywhere.  With expert parallelism each stage's experts are
+gathered over the ep group first.  Loading reads the dense tensors on every rank and
 keeps this rank's slice: no communication but FSDP's own.
 
 The dense optimizer state lists the parameters in the dense model's order, stage by stage, whatever the data-
@@ -16,6 +17,7 @@ at 2x2x2 into FSDP at 2x2x2, say), and into the same model under any wrapper.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -43,8 +45,36 @@ def _gather_tp(model: Any, tp: TensorParallel, name: str, tensor: torch.Tensor) 
     return tp._gather(name, tensor) if name in model.split else tensor.clone()
 
 
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _merge_experts(parts: list[Any]) -> Any:
+    """The ep ranks' entries of one stage (dicts or lists by name) as one, in the dense model's order: the
+    names outside the experts are every rank's, in the same order; each run of expert names is replaced by all
+    the ranks' runs, in rank order (rank ``r`` holds experts ``r E / ep ..``)."""
+    runs = [[list(group) for _, group in itertools.groupby(part, key=_is_expert)] for part in parts]
+    names = [name for index, run in enumerate(runs[0])
+             for name in (run if not _is_expert(run[0]) else [n for rank in runs for n in rank[index]])]
+    if isinstance(parts[0], list):
+        return names
+    merged = {name: value for part in parts for name, value in part.items()}
+    return {name: merged[name] for name in names}
+
+
+def _gather_ep(model: Any, per_stage: dict[int, Any]) -> dict[int, Any]:
+    """With expert parallelism, each stage's entries completed with the other ep ranks' experts."""
+    if getattr(model, "experts", None) is None:
+        return per_stage
+    everyone: list[Any] = [None] * model.mesh.ep
+    dist.all_gather_object(everyone, per_stage, group=model.mesh.group("ep"))
+    return {stage: _merge_experts([part[stage] for part in everyone]) for stage in per_stage}
+
+
 def _gather_pp(model: Any, per_stage: dict[int, Any]) -> list[Any]:
-    """Every stage's entry, in stage order, on every rank (an object all-gather over the pp group)."""
+    """Every stage's entry, in stage order, on every rank (an object all-gather over the ep group, then the pp
+    group)."""
+    per_stage = _gather_ep(model, per_stage)
     everyone: list[Any] = [None] * model.mesh.pp
     dist.all_gather_object(everyone, per_stage, group=model.mesh.group("pp"))
     merged = {stage: entry for part in everyone for stage, entry in part.items()}

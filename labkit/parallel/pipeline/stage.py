@@ -64,6 +64,7 @@ from labkit import trace
 from labkit.dist import global_rank, require_group
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
+from labkit.parallel.experts.layer import aux_loss_scale
 
 
 def _check_count(name: str, value: object) -> int:
@@ -205,8 +206,9 @@ class PipelineStage:
                     layer.register_forward_hook(self._capture_output)
             self._hooked = True
         self._capture = [] if split_backward else None
-        try:
-            output, loss = self.module(input_or_ids if self.is_first else inputs, targets)
+        try:  # an MoE layer's auxiliary loss gets the gradient scale this stage's loss will have
+            with aux_loss_scale(self.loss_scale / self.num_microbatches):
+                output, loss = self.module(input_or_ids if self.is_first else inputs, targets)
         finally:
             captured, self._capture = self._capture, None
         result = loss if self.is_last else output

@@ -125,6 +125,10 @@ class TensorParallel(ParallelWrapper):
         super().__init__(module, group)
         config = module.config
         check_tensor_parallel_sizes(config.n_embd, config.n_head, self.world_size)
+        if config.n_experts and sequence_parallel and self.world_size > 1:
+            raise ValueError("sequence parallelism with MoE blocks is not built here: the tp ranks would route "
+                             "different tokens; use sequence_parallel=False (the MoE layer then runs whole on "
+                             "every tp rank)")
         self.config, self.sequence_parallel = config, sequence_parallel
         self.vocab_divisible_by = vocab_divisible_by
         self.padded_vocab_size = padded_size(config.vocab_size, self.world_size, vocab_divisible_by)
@@ -160,13 +164,17 @@ class TensorParallel(ParallelWrapper):
         for index in model.block_indices:
             block, where = model.blocks[index], f"blocks.{index}"
             block.attn = ParallelSelfAttention(block.attn, tp, sp, self.rng, f"{where}.attn")
-            block.mlp = ParallelMLP(block.mlp, tp, sp, self.rng, f"{where}.mlp")
+            # An MoE layer is left whole on every tp rank (its experts are split over ep instead; Megatron-Core
+            # would split the tokens over tp with sequence parallelism and let the tp x ep ranks share experts).
+            moe = config.n_experts > 0
+            if not moe:
+                block.mlp = ParallelMLP(block.mlp, tp, sp, self.rng, f"{where}.mlp")
             for name, layer in (("attn.query", block.attn.query), ("attn.key", block.attn.key),
-                                ("attn.value", block.attn.value), ("mlp.fc", block.mlp.fc)):
+                                ("attn.value", block.attn.value), *(() if moe else (("mlp.fc", block.mlp.fc),))):
                 self._split[f"{where}.{name}.weight"] = (0, layer.out_features)
                 if layer.bias is not None:
                     self._split[f"{where}.{name}.bias"] = (0, layer.out_features)
-            for name, layer in (("attn.proj", block.attn.proj), ("mlp.proj", block.mlp.proj)):
+            for name, layer in (("attn.proj", block.attn.proj), *(() if moe else (("mlp.proj", block.mlp.proj),))):
                 self._split[f"{where}.{name}.weight"] = (1, layer.in_features)
         if model.lm_head is not None:
             dense = model.lm_head
