@@ -71,7 +71,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.data import VOCAB_SIZE
-from labkit.parallel.experts.layer import Expert, MoE
+from labkit.parallel.experts.layer import MoE
 from labkit.parallel.experts.router import check_moe
 
 IGNORE_INDEX = -100  # a target the loss leaves out (F.cross_entropy's ignore_index): a padded sequence's end
@@ -221,11 +221,18 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.proj(merged))
 
 
-class MLP(Expert):
-    """The dense block's MLP, ``4 n_embd`` wide: one expert of an MoE layer, at the dense width."""
+class MLP(nn.Module):
+    """The dense block's MLP, ``4 n_embd`` wide (an MoE layer's experts, ``labkit.parallel.experts.Expert``, are
+    the same at their own width; kept apart so that a dense model runs no code of ``labkit.parallel``)."""
 
     def __init__(self, config: GPTConfig):
-        super().__init__(config.n_embd, 4 * config.n_embd, config.bias, config.dropout)
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
 def feed_forward(config: GPTConfig) -> nn.Module:
