@@ -4,8 +4,8 @@
 # tensor-parallel check (labkit.parallel.tensor on cuda:0 through NCCL at tp=1: operators, layers, wrapper, dropout)
 # and the pipeline runtime's check (labkit.parallel.pipeline on cuda:0, p=1: GPipe, 1F1B, ZB-H1's split backward),
 # then long-context attention (the blockwise kernel against torch's fused one; cp > 1 through NCCL where there are
-# GPUs enough), then the 3D trainer on cuda:0 through NCCL (one GPU: dp=tp=pp=1, every wrapper of parallelize, bf16,
-# a trace).
+# GPUs enough), the MoE layer against its definition and labkit.train --experts (--ep n through NCCL on n GPUs),
+# then the 3D trainer on cuda:0 through NCCL (one GPU: dp=tp=pp=1, every wrapper of parallelize, bf16, a trace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
@@ -16,6 +16,7 @@ status=0
 PYTHONPATH="$PWD" timeout 480 "$PYTHON" benchmarks/gpu_check.py || status=$?
 PYTHONPATH="$PWD" timeout 120 "$PYTHON" benchmarks/gpu_check_pipeline.py || status=$?
 PYTHONPATH="$PWD" timeout 300 "$PYTHON" benchmarks/gpu_check_context.py || status=$?
+PYTHONPATH="$PWD" timeout 300 "$PYTHON" benchmarks/gpu_check_experts.py || status=$?
 for zero in 0 1 2 3; do  # one GPU cannot hold several NCCL ranks: the 3D path at degree 1, on cuda, each wrapper
     PYTHONPATH="$PWD" OMP_NUM_THREADS=4 timeout 120 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 \
         -m labkit.train --dp 1 --tp 1 --pp 1 --zero "$zero" --preset 10m --steps 20 --log-every 10 \

@@ -179,10 +179,11 @@ def bench(args: argparse.Namespace) -> int:
 # What each column of ``labkit plan``'s table is (its legend, printed under it).
 PLAN_COLUMNS = (
     ("layout", "dp x tp x pp: data-parallel replicas, tensor-parallel ways, pipeline stages; cp: ranks each sequence "
-               "is split over (context parallelism, tried when nothing fits without it); ZeRO-k: the stage "
+               "is split over (context parallelism, tried when nothing fits without it); ep: ranks of dp x cp a "
+               "mixture of experts' experts are split over (expert parallelism); ZeRO-k: the stage "
                "over dp (0: plain DDP, 3: FSDP); b: the micro-batch, in sequences; recompute: activations "
                "recomputed; the pipeline schedule (v: stages per GPU, interleaved)"),
-    ("step s", "the predicted step, in seconds: the sum of the six terms on the right"),
+    ("step s", "the predicted step, in seconds: the sum of the terms on the right"),
     ("MFU", "model FLOPs utilisation: the model's FLOPs per step / (step time x GPUs x peak bf16 FLOP/s)"),
     ("GB/GPU", "the fullest GPU's memory at its peak, in GB (1e9 bytes)"),
     ("compute", "seconds of forward and backward on the slowest pipeline rank, without communication"),
@@ -192,6 +193,7 @@ PLAN_COLUMNS = (
     ("dp", "seconds of the data-parallel gradient reduction not hidden behind the backward"),
     ("zero", "seconds of ZeRO's and FSDP's all-gathers not hidden, and the slowdown of what hid them"),
     ("cp", "seconds of context parallelism's K/V exchange not hidden behind attention (shown with cp > 1)"),
+    ("ep", "seconds of expert parallelism's all-to-alls, four a MoE layer and micro-batch (shown with ep > 1)"),
 )
 
 
@@ -236,12 +238,17 @@ def plan(args: argparse.Namespace) -> int:
             shape = dataclasses.replace(shape, seq_len=args.seq_len)
         cluster = planner.Cluster(compute.GPUS[args.gpu], args.gpus, efficiency)
         choices = {} if args.cp is None else {"context_parallel": _degrees("--cp", args.cp)}
+        if args.ep is not None:
+            if not shape.num_experts:
+                raise ValueError(f"--ep splits a mixture of experts' experts: {args.model} is dense")
+            choices["expert_parallel"] = _degrees("--ep", args.ep)
         result = planner.plan(shape, cluster, args.global_batch, top=args.top, **choices)
     except ValueError as error:
         print(f"labkit plan: {error}", file=sys.stderr)
         return 2
     margin = cluster.memory_margin
-    print(f"{args.model} ({memory.num_parameters(shape) / 1e9:.1f}B parameters) on {args.gpus} x {args.gpu}, "
+    active = f", {memory.num_parameters(shape, active=True) / 1e9:.1f}B active" if shape.num_experts else ""
+    print(f"{args.model} ({memory.num_parameters(shape) / 1e9:.1f}B parameters{active}) on {args.gpus} x {args.gpu}, "
           f"global batch {args.global_batch} x {shape.seq_len} tokens, {efficiency:.1%} of peak on the matrices; "
           f"plans fill at most {cluster.usable_bytes / 1e9:.0f} of {cluster.gpu.memory_bytes / 1e9:.0f} GB a GPU, "
           f"keeping {margin:.0%} for what the memory model does not count (CUDA context, NCCL buffers, the "
@@ -258,7 +265,7 @@ def plan(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in PLAN_COLUMNS)
     print("\n" + "\n".join(textwrap.fill(meaning, 110, initial_indent=f"{name:>{width}}  ",
                                          subsequent_indent=" " * (width + 2))
-                           for name, meaning in PLAN_COLUMNS if name != "cp" or "cp" in parts))
+                           for name, meaning in PLAN_COLUMNS if name not in ("cp", "ep") or name in parts))
     return 0
 
 
@@ -293,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                              help="tokens per sequence (default: the model's); long ones may need context parallelism")
     plan_parser.add_argument("--cp", default=None, metavar="DEGREES",
                              help="context-parallel degrees to try, e.g. 1,2,4,8 (default: none unless nothing fits)")
+    plan_parser.add_argument("--ep", default=None, metavar="DEGREES",
+                             help="an MoE shape's expert-parallel degrees to try, e.g. 1,8,64 (default: powers of two)")
     plan_parser.add_argument("--efficiency", type=float, default=None,
                              help="fraction of peak the matrices reach (default: lesson 11's fitted one)")
     plan_parser.set_defaults(run=plan)

@@ -51,7 +51,7 @@ EXPECTED_CONTROLS = {"00_setup": 5, "01_collectives": 5, "02_data_parallel": 5, 
                      "06_tensor_parallel": 7, "07_pipeline_parallel": 7,
                      "08_async_parameter_server": 8, "09_pitfalls_and_checkpointing": 7, "10_3d_parallelism": 8,
                      "11_planning_a_training_run": 5, "12_monitoring_and_input_pipeline": 4,
-                     "13_long_context": 7}
+                     "13_long_context": 7, "14_mixture_of_experts": 5}
 # The kernels run PyTorch's portable kernels, with oneDNN held to AVX2 (a CPU without the wide vector units has
 # no AMX either; torch 2.14's bf16 attention otherwise packs for AMX, then refuses): nbval in `make test` checks
 # the stored outputs with this CPU's own kernels, Run All here with the kernels any CPU has.

@@ -151,7 +151,7 @@ def test_the_checks_before_a_resume_let_every_resumable_checkpoint_through(saved
         (["--top", "0"], "--top must be an integer >= 1, got 0"),  # was an IndexError
         (["--efficiency", "1.5"], "--efficiency must be a fraction of the peak in (0, 1], got 1.5"),
         (["--gpu", "TPU"], "--gpu 'TPU' is unknown; choose one of A100 80GB"),
-        (["--model", "gpt5"], "--model 'gpt5' is unknown; choose one of gpt2"),
+        (["--model", "gpt5"], "--model 'gpt5' is unknown; choose one of deepseek-v3, gpt2"),
     ],
 )
 def test_labkit_plan_names_the_flag_a_bad_value_came_from(flags, message, capsys):
@@ -170,9 +170,9 @@ def test_labkit_plan_explains_its_columns_and_keeps_a_memory_margin_with_one_row
     assert len(set(layouts)) == len(layouts)  # at dp = 1 the ZeRO stages are one layout, listed once
     assert all(" ZeRO-0 " in layout for layout in layouts)
     for column, _meaning in cli.PLAN_COLUMNS:
-        if column != "cp":  # explained only when a plan uses context parallelism (tests/test_costmodel_context.py)
+        if column not in ("cp", "ep"):  # explained only when a plan uses them (test_costmodel_context/_experts.py)
             assert re.search(rf"^ *{re.escape(column)}  ", out, re.MULTILINE), column
-    assert not re.search(r"^ *cp  ", out, re.MULTILINE)
+    assert not re.search(r"^ *cp  ", out, re.MULTILINE) and not re.search(r"^ *ep  ", out, re.MULTILINE)
     assert "b: the micro-batch, in sequences" in out and "in seconds" in out and "in GB" in out
 
 

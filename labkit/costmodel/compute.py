@@ -67,13 +67,21 @@ def model_state_bytes(parameters: float, bytes_per_parameter: float = BYTES_PER_
 # FLOPs of a transformer step (lesson 11)
 
 
-def matmul_parameters_per_layer(shape: Any) -> int:
+def matmul_parameters_per_layer(shape: Any) -> float:
     """The weights one layer multiplies each token by (``labkit.costmodel.memory.TransformerShape``): the four
-    attention projections (key and value narrower under grouped-query attention) and the MLP's two (GELU) or
-    three (SwiGLU) matrices.  Biases and norms are left out: their FLOPs are ``O(h)`` per token."""
+    attention projections (key and value narrower under grouped-query attention; a multi-head latent attention's
+    own count) and the MLP's two (GELU) or three (SwiGLU) matrices.  Biases and norms are left out: their FLOPs
+    are ``O(h)`` per token.  In a mixture of experts a token meets its ``top_k`` routed experts, the shared
+    ones and the router (``h E``): the *active* weights, averaged here over the dense and the MoE layers."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     kv_width = shape.num_kv_heads * (h // shape.num_heads)
-    return 2 * h * h + 2 * h * kv_width + (2 if shape.mlp == "gelu" else 3) * h * f
+    attention = 2 * h * h + 2 * h * kv_width if shape.attention_parameters is None else shape.attention_parameters
+    matrices = 2 if shape.mlp == "gelu" else 3
+    if not getattr(shape, "moe_layers", 0):
+        return attention + matrices * h * f
+    active = (shape.top_k + shape.shared_experts) * matrices * h * shape.expert_ffn_hidden_size + h * shape.num_experts
+    dense = shape.num_layers - shape.moe_layers
+    return attention + (dense * matrices * h * f + shape.moe_layers * active) / shape.num_layers
 
 
 def model_flops_per_step(shape: Any, global_batch: int, seq_len: int | None = None,
@@ -102,7 +110,15 @@ def _tokens(global_batch: int, seq_len: int) -> int:
 def layer_flops(shape: Any, global_batch: int, seq_len: int | None = None) -> float:
     """One layer's forward FLOPs over ``global_batch`` sequences (:func:`model_flops_per_step`'s count)."""
     s = shape.seq_len if seq_len is None else seq_len
-    return _tokens(global_batch, s) * (2 * matmul_parameters_per_layer(shape) + 4 * s * shape.hidden_size)
+    return _tokens(global_batch, s) * (2 * matmul_parameters_per_layer(shape) + 2 * s * attention_width(shape))
+
+
+def attention_width(shape: Any) -> int:
+    """The widths a token's attention scores and weighted sum run over, ``heads x (qk_dim + v_dim)``: ``2 h``
+    for standard heads, wider for DeepSeek's latent attention (``128 x (192 + 128)`` against ``2 x 7168``)."""
+    head = shape.hidden_size // shape.num_heads
+    qk, v = getattr(shape, "qk_head_dim", None) or head, getattr(shape, "v_head_dim", None) or head
+    return shape.num_heads * (qk + v)
 
 
 def head_flops(shape: Any, global_batch: int, seq_len: int | None = None) -> float:

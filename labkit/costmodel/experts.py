@@ -14,9 +14,19 @@ of the ``T k`` rows stay on the rank, so each all-to-all sends
 
 two in forward and two in backward (:func:`ep_uniform_bytes`).  A real router is not uniform, and a rank's bytes
 are its own rows: :func:`ep_messages` takes the splits it actually sent and received.
+
+**On a cluster** (:func:`ep_all_to_all_s`, the step model's ``ep`` term) the four all-to-alls of every MoE layer
+sit on the critical path (DualPipe hides them behind another micro-batch's compute; labkit's schedules do not),
+on the link the ep group spans: ``ep`` ranks ``t`` apart, inside a node while ``t ep`` GPUs fit in one.
+Parameters (:func:`labkit.costmodel.shapes.num_parameters`, ``expert_parameters``): the routed experts are
+split over ``ep`` (not over tp: expert tensor parallelism 1, as DeepSeek-V3 trains) and their gradients
+reduced, and ZeRO's states sharded, over the ``dp cp / ep`` ranks holding the same experts; the rest as in a
+dense model.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 KINDS = ("dispatch", "combine", "dcombine", "ddispatch")  # the two all-to-alls forward, then backward
 
@@ -35,3 +45,16 @@ def ep_messages(send: list[int], receive: list[int], rank: int, row_bytes: int) 
     back = sum(receive) - receive[rank]
     return [("forward", "dispatch", out * row_bytes), ("forward", "combine", back * row_bytes),
             ("backward", "dcombine", out * row_bytes), ("backward", "ddispatch", back * row_bytes)]
+
+
+def ep_all_to_all_s(shape: Any, layout: Any, link: Any, call_latency_s: float = 0.0, value_bytes: int = 2) -> float:
+    """One all-to-all of one MoE layer and micro-batch on a GPU cluster, under uniform routing: each rank's
+    ``b (s / cp) / t`` tokens (Megatron-Core splits them over the tp ranks with sequence parallelism, each
+    dispatching its share) times ``k`` rows of ``h`` values, ``(ep - 1) / ep`` of them to the other ranks over
+    ``link`` (``labkit.costmodel.stages.link_of``: the ep group's ranks are ``t`` apart), one message to each:
+    ``(ep - 1) alpha + bytes beta``, plus a call's latency.  0 without expert parallelism."""
+    if layout.ep == 1 or not shape.moe_layers:
+        return 0.0
+    tokens = layout.micro_batch * shape.seq_len / layout.cp / layout.tp
+    nbytes = ep_uniform_bytes(tokens, shape.top_k, shape.hidden_size, value_bytes, layout.ep)
+    return (layout.ep - 1) * link.alpha_s + nbytes * link.beta_s_per_byte + call_latency_s

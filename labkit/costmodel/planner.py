@@ -45,7 +45,7 @@ from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPU, mfu, model_flops_per_step
 from labkit.costmodel.context import cp_buffer_bytes, cp_saved_extra_bytes
 from labkit.costmodel.memory import TransformerShape, activation_bytes, memory_per_rank
-from labkit.costmodel.stages import chunk_layers, rank_parameters
+from labkit.costmodel.stages import chunk_layers, rank_expert_parameters, rank_parameters
 from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")
@@ -134,6 +134,14 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _ep_degrees(shape: TransformerShape, replicas: int, asked: tuple[int, ...] | None) -> list[int]:
+    """The ep degrees a layout of ``replicas`` (``dp x cp``) ranks may fold over them (module docstring)."""
+    if not shape.moe_layers:
+        return [1]
+    tried = asked or tuple(2 ** k for k in range(shape.num_experts.bit_length()))
+    return [ep for ep in tried if replicas % ep == 0 and shape.num_experts % ep == 0]
+
+
 def held_microbatches(layout: Layout, m: int, rank: int) -> float:
     """How many micro-batches of its stage's activations pipeline rank ``rank`` holds at its peak: all ``m``
     under GPipe, ``p - rank`` under 1F1B and ZB-H1 (at most ``m``), and under interleaving Megatron's warm-up,
@@ -160,7 +168,9 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
     keeps its layers' inputs, and only the one layer being rebuilt holds its whole activations.  With context
     parallelism each rank holds the activations of ``s / cp`` tokens of each sequence, the K/V it gathers or
     receives for the one layer whose attention runs (:func:`~labkit.costmodel.context.cp_buffer_bytes`), and
-    its model states sharded by ZeRO over the ``dp x cp`` replicas."""
+    its model states sharded by ZeRO over the ``dp x cp`` replicas.  In a mixture of experts the routed experts
+    are counted apart: ``1 / ep`` of them a GPU (not split by tp), their states sharded over the ``dp cp / ep``
+    ranks that hold the same experts; the rest as in a dense model (:mod:`labkit.costmodel.experts`)."""
     d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
     m = global_batch // (d * b)
     full = shape
@@ -176,6 +186,7 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
         per_stage += cp_saved_extra_bytes("ulysses", stage, b, shape.seq_len, shape.hidden_size // t, 2)
     logits = b * shape.seq_len * -(-shape.vocab_size // t) * (2 + 4)
     parameters = rank_parameters(full, layout, stage_layers)
+    experts = rank_expert_parameters(full, layout, stage_layers)
     if layout.cp > 1:  # one layer's K/V from the other cp ranks, in bf16 (and their gradients, backward)
         kv_heads = max(shape.num_kv_heads / t, 1)  # Megatron replicates K/V heads that t does not divide
         per_rank_heads = shape.num_heads / t if layout.cp_strategy == "ulysses" else kv_heads
@@ -187,8 +198,12 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
     for rank in sorted({0, p - 1}):
         activations = held_microbatches(layout, m, rank) * per_stage + (rebuilt if layout.recompute else 0.0)
         activations += (logits if rank == p - 1 else 0.0) + transient
-        memory = memory_per_rank(parameters[rank], "mixed", "adam", layout.zero, layout.replicas, t, 1,
-                                 activations, accumulating=m > 1, gradient_bytes=gradient_bytes, peak=peak)
+        memory = memory_per_rank(parameters[rank] - experts[rank], "mixed", "adam", layout.zero, layout.replicas, t,
+                                 1, activations, accumulating=m > 1, gradient_bytes=gradient_bytes, peak=peak)
+        if experts[rank]:  # the routed experts: 1/ep of them, sharded over the replicas of the same experts
+            held = memory_per_rank(experts[rank], "mixed", "adam", layout.zero, layout.replicas // layout.ep,
+                                   layout.ep, 1, accumulating=m > 1, gradient_bytes=gradient_bytes, peak=peak)
+            memory = {name: memory[name] + held[name] for name in memory}
         if memory["total"] > worst.get("total", -1.0):
             worst = memory
     return worst
@@ -198,14 +213,15 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
                schedules=SCHEDULES, zero_stages=(0, 1, 2, 3), recompute=(False, True),
                virtual_stages: int | tuple[int, ...] | None = None, tensor_parallel: tuple[int, ...] | None = None,
                pipeline_parallel: tuple[int, ...] | None = None, context_parallel: tuple[int, ...] = (1,),
-               cp_strategy: str = "ring") -> list[Layout]:
+               cp_strategy: str = "ring", expert_parallel: tuple[int, ...] | None = None) -> list[Layout]:
     """Every layout whose degrees divide what they split (see the module docstring), a ZeRO stage only where
     there are replicas to partition over (``d = 1``: the lowest stage asked for), and ZeRO-2 only where it differs
     from ZeRO-1 (``m = 1``: under accumulation it holds whole gradients and sends what ZeRO-1 sends).
     ``virtual_stages``: the interleaved schedule's stages per rank to try (default: every ``v >= 2`` that divides a
     stage's layers); ``tensor_parallel`` and ``pipeline_parallel``: the degrees to try (default: every divisor);
     ``context_parallel``: the cp degrees to try (default none; each must cut the sequence into ``2 cp`` zig-zag
-    chunks, and with ``cp_strategy="ulysses"`` divide each TP rank's heads)."""
+    chunks, and with ``cp_strategy="ulysses"`` divide each TP rank's heads); ``expert_parallel``: the ep degrees
+    to try for an MoE shape (default: every power of two dividing the experts and ``d cp``; a dense shape: 1)."""
     interleavings = (virtual_stages,) if isinstance(virtual_stages, int) else virtual_stages
     found = []
     for t, cp in ((t, cp) for t in _divisors(num_gpus) for cp in context_parallel):
@@ -238,7 +254,8 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
                                 continue  # one replica: every ZeRO stage is the same layout
                             if zero == 2 and m > 1 and 1 in zero_stages:
                                 continue  # accumulating, ZeRO-2 holds and sends what ZeRO-1 does: the same layout
-                            found += [Layout(d, t, p, zero, b, r, schedule, v, cp, cp_strategy) for r in recompute]
+                            found += [Layout(d, t, p, zero, b, r, schedule, v, cp, cp_strategy, ep)
+                                      for r in recompute for ep in _ep_degrees(shape, d * cp, expert_parallel)]
     return found
 
 

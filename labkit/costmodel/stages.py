@@ -20,14 +20,14 @@ output layer is a copy of the embedding there when ``p > 1``, as Megatron-LM kee
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
 from labkit.costmodel.compute import head_flops, layer_flops, model_flops_per_step
 from labkit.costmodel.context import cp_layer_seconds
-from labkit.costmodel.shapes import num_parameters
+from labkit.costmodel.experts import ep_all_to_all_s
+from labkit.costmodel.shapes import expert_parameters, layer_parameters, num_parameters
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class Layout:
     pipeline schedule (``virtual_stages``: the interleaved schedule's stages per rank); with ``cp > 1`` a fourth
     dimension, context parallelism (``cp_strategy``: ``"ring"``, ``"all_gather"`` or ``"ulysses"``), each
     sequence split over ``cp`` ranks, whose gradients are reduced (and ZeRO's states sharded) over ``dp x cp``
-    ranks, as :mod:`labkit.parallel.parallelize` builds it."""
+    ranks, as :mod:`labkit.parallel.parallelize` builds it.  ``ep``: expert parallelism of an MoE shape, folded over
+    ``dp x cp`` (:mod:`labkit.costmodel.experts`)."""
 
     dp: int
     tp: int
@@ -48,6 +49,7 @@ class Layout:
     virtual_stages: int = 1
     cp: int = 1
     cp_strategy: str = "ring"
+    ep: int = 1
 
     @property
     def gpus(self) -> int:
@@ -66,6 +68,7 @@ class Layout:
     def label(self) -> str:
         extra = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
         context = f" cp={self.cp} ({self.cp_strategy})" if self.cp > 1 else ""
+        context += f" ep={self.ep}" if self.ep > 1 else ""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp}{context} ZeRO-{self.zero} b={self.micro_batch}"
                 f"{' recompute' if self.recompute else ''} {self.schedule}{extra}")
 
@@ -134,6 +137,10 @@ def _check_divides(shape: Any, layout: Layout, global_batch: int, stage_layers: 
     if global_batch % (d * b):
         raise ValueError(f"the global batch {global_batch} must split into dp={d} replicas of micro-batches of "
                          f"b={b} sequences (global_batch % (dp * b) == 0)")
+    if layout.ep > 1 and ((layout.dp * layout.cp) % layout.ep or not getattr(shape, "moe_layers", 0)
+                          or shape.num_experts % layout.ep):
+        raise ValueError(f"ep={layout.ep} must divide dp x cp = {layout.dp * layout.cp} and the experts of an MoE shape "
+                         f"({getattr(shape, 'num_experts', 0)})")
     if shape.seq_len % (2 * layout.cp) and layout.cp > 1:
         raise ValueError(f"cp={layout.cp} zig-zag chunks do not divide the sequence of {shape.seq_len} tokens "
                          f"(seq_len % (2 cp) == 0)")
@@ -162,6 +169,8 @@ class ChunkCosts:
     tp_backward: tuple[float, ...]
     cp_forward: tuple[float, ...] = ()  # context parallelism's exposed communication (and its slowdown)
     cp_backward: tuple[float, ...] = ()
+    ep_forward: tuple[float, ...] = ()  # expert parallelism's all-to-alls (on the critical path)
+    ep_backward: tuple[float, ...] = ()
 
     def rank_totals(self, p: int) -> list[tuple[float, float, float, float]]:
         """Per rank: ``(compute forward, compute backward, TP forward, TP backward)`` over its chunks."""
@@ -189,7 +198,9 @@ def chunk_costs(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int
     forward rerun inside it), the output layer's on the last chunk (never recomputed), the per-layer and
     per-pass overheads, and two TP all-reduces per layer each way (two more backward when recomputing).  With
     context parallelism every rank computes ``1 / cp`` of each layer (zig-zag balances the causal work) and its
-    attention adds what :func:`labkit.costmodel.context.cp_layer_seconds` leaves exposed."""
+    attention adds what :func:`labkit.costmodel.context.cp_layer_seconds` leaves exposed; with expert parallelism
+    each MoE layer adds two all-to-alls forward, two backward (two more when recomputing):
+    :func:`labkit.costmodel.experts.ep_all_to_all_s`."""
     b, t, chunks = layout.micro_batch, layout.tp * layout.cp, layout.chunks
     layers = chunk_layers(shape, layout, stage_layers)
     one = tp_all_reduce_s(shape, layout, hardware, value_bytes)
@@ -208,11 +219,35 @@ def chunk_costs(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int
     cp_forward, cp_backward = cp_layer_seconds(shape, layout, hardware, link_of(hardware, layout.tp, layout.cp),
                                                value_bytes)
     cp_backward += cp_forward if layout.recompute else 0.0  # the recomputed forward gathers or rotates again
+    a2a = ep_all_to_all_s(shape, layout, link_of(hardware, layout.tp, layout.ep), hardware.call_latency_s,
+                          value_bytes)
+    moe = chunk_moe_layers(shape, layout, stage_layers)
     return ChunkCosts(tuple(f + o for f, o in zip(forward, overhead, strict=True)),
                       tuple(bw + backward_passes * o for bw, o in zip(backward, overhead, strict=True)),
                       tuple(2 * n * one for n in layers),
                       tuple((2 + 2 * layout.recompute) * n * one for n in layers),
-                      tuple(n * cp_forward for n in layers), tuple(n * cp_backward for n in layers))
+                      tuple(n * cp_forward for n in layers), tuple(n * cp_backward for n in layers),
+                      tuple(2 * n * a2a for n in moe), tuple((2 + 2 * layout.recompute) * n * a2a for n in moe))
+
+
+def chunk_moe_layers(shape: Any, layout: Layout, stage_layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Each chunk's MoE layers: its layers past the shape's first ``dense_layers`` (none for a dense model)."""
+    counts, start = [], 0
+    for n in chunk_layers(shape, layout, stage_layers):
+        counts.append(0 if not getattr(shape, "moe_layers", 0) else
+                      max(0, start + n - max(start, shape.dense_layers)))
+        start += n
+    return tuple(counts)
+
+
+def rank_expert_parameters(shape: Any, layout: Layout, stage_layers: tuple[int, ...] | None = None) -> list[float]:
+    """Each pipeline rank's routed-expert parameters, all ``E`` experts (expert parallelism then keeps ``1 / ep``
+    of them): its chunks' MoE layers' share of :func:`labkit.costmodel.shapes.expert_parameters`."""
+    counts = [0.0] * layout.pp
+    per_layer = expert_parameters(shape) / shape.moe_layers if getattr(shape, "moe_layers", 0) else 0.0
+    for chunk, n in enumerate(chunk_moe_layers(shape, layout, stage_layers)):
+        counts[chunk % layout.pp] += n * per_layer
+    return counts
 
 
 def chunk_parameters(shape: Any, layout: Layout, stage_layers: tuple[int, ...] | None = None) -> list[float]:
@@ -220,14 +255,14 @@ def chunk_parameters(shape: Any, layout: Layout, stage_layers: tuple[int, ...] |
     embedding (and learned positions) on the first, the output layer and the final norm on the last (a tied
     output layer is a copy of the embedding there when the model has more than one chunk)."""
     layers = chunk_layers(shape, layout, stage_layers)
-    one, two = (num_parameters(dataclasses.replace(shape, num_layers=n)) for n in (1, 2))
-    per_layer = two - one
-    outside = one - per_layer  # embeddings, the final norm, an untied output layer
+    moe = chunk_moe_layers(shape, layout, stage_layers)
+    dense, sparse = layer_parameters(shape), layer_parameters(shape, moe=True) if moe and max(moe) else 0
+    outside = num_parameters(shape) - (shape.num_layers - sum(moe)) * dense - sum(moe) * sparse  # embeddings, norm
     h, vocab = shape.hidden_size, shape.vocab_size
     embedding = vocab * h + (shape.seq_len * h if shape.learned_positions else 0)
     untied = 0 if shape.tied_embeddings else vocab * h
     head = untied if not shape.tied_embeddings else (vocab * h if len(layers) > 1 else 0)
-    counts = [float(n * per_layer) for n in layers]
+    counts = [float((n - k) * dense + k * sparse) for n, k in zip(layers, moe, strict=True)]
     counts[0] += embedding
     counts[-1] += head + outside - embedding - untied  # and the final norm
     return counts
@@ -246,8 +281,10 @@ def stage_times(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
     """``(m, v, forward, backward, tp_forward, tp_backward)``: micro-batches per step, stages per rank, and one
     micro-batch's compute and TP all-reduce seconds on one rank's stages, the model's FLOPs spread evenly over
     the stages (the uniform stages the event simulator, :mod:`labkit.costmodel.simulator`, runs)."""
-    if layout.cp > 1:
-        raise ValueError(f"the event simulator runs dp x tp x pp layouts: cp={layout.cp} is priced by predict_step")
+    extra = [f"{name}={degree}" for name, degree in (("cp", layout.cp), ("ep", layout.ep)) if degree > 1]
+    if extra:
+        raise ValueError(f"the event simulator runs dp x tp x pp layouts: {' and '.join(extra)} "
+                         f"{'is' if len(extra) == 1 else 'are'} priced by predict_step")
     _check_divides(shape, layout, global_batch, None)
     v = layout.virtual_stages if layout.schedule == "interleaved" else 1
     costs = chunk_costs(shape, layout, hardware, value_bytes, head_on_last_stage=False)

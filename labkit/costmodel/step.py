@@ -20,13 +20,14 @@ from labkit.costmodel.collectives import (
     ring_all_reduce_cost,
     ring_reduce_scatter_cost,
 )
-from labkit.costmodel.shapes import num_parameters
+from labkit.costmodel.shapes import expert_parameters, num_parameters
 from labkit.costmodel.stages import (  # Layout, Hardware and stage_times are imported from here by many
     Hardware,
     Layout,
     _check_divides,
     chunk_costs,
     chunk_layers,
+    chunk_moe_layers,
     chunk_parameters,
     link_of,
     stage_times,
@@ -106,16 +107,19 @@ class StepTime:
     forward_s: float
     backward_s: float
     cp_s: float = 0.0  # context parallelism's communication in every attention: what is exposed, and the slowdown
+    ep_s: float = 0.0  # expert parallelism's all-to-alls in every MoE layer
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.tp_s + self.cp_s + self.bubble_s + self.pp_send_s + self.dp_s + self.zero_s
+        return (self.compute_s + self.tp_s + self.cp_s + self.ep_s + self.bubble_s + self.pp_send_s + self.dp_s
+                + self.zero_s)
 
     def parts(self) -> dict[str, float]:
-        """Each term by name (``"cp"`` only for a layout with context parallelism)."""
+        """Each term by name (``"cp"``, ``"ep"`` only for a layout with context or expert parallelism)."""
         parts = {"compute": self.compute_s, "tp": self.tp_s, "bubble": self.bubble_s, "pp send": self.pp_send_s,
                  "dp": self.dp_s, "zero": self.zero_s}
-        return {**parts, "cp": self.cp_s} if self.layout.cp > 1 else parts
+        return {**parts, **({"cp": self.cp_s} if self.layout.cp > 1 else {}),
+                **({"ep": self.ep_s} if self.layout.ep > 1 else {})}
 
 
 _TABLES: dict[str, Callable[[int, int, int], schedules.Schedule]] = {
@@ -183,9 +187,10 @@ def _passes(costs: Any, overlap_tp: bool, slowdown: float) -> tuple[list[float],
                                         costs.compute_forward + costs.compute_backward, strict=True)]
     forward = [c + x for c, x in zip(costs.compute_forward, tp_cost[:chunks], strict=True)]
     backward = [c + x for c, x in zip(costs.compute_backward, tp_cost[chunks:], strict=True)]
-    if costs.cp_forward:  # context parallelism's exposed communication, inside each pass's attention
-        forward = [f + x for f, x in zip(forward, costs.cp_forward, strict=True)]
-        backward = [bw + x for bw, x in zip(backward, costs.cp_backward, strict=True)]
+    for extra_forward, extra_backward in ((costs.cp_forward, costs.cp_backward), (costs.ep_forward, costs.ep_backward)):
+        if extra_forward:  # context parallelism's exposed communication, expert parallelism's all-to-alls
+            forward = [f + x for f, x in zip(forward, extra_forward, strict=True)]
+            backward = [bw + x for bw, x in zip(backward, extra_backward, strict=True)]
     return tp_cost, forward, backward
 
 
@@ -266,14 +271,15 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
                                                                            for c in range(bound, chunks, p)))
     cp_s = m * sum(costs.cp_forward[c] + costs.cp_backward[c] for c in range(bound, chunks, p)) \
         if costs.cp_forward else 0.0
-    compute_s = own - tp_s - cp_s
+    ep_s = m * sum(costs.ep_forward[c] + costs.ep_backward[c] for c in range(bound, chunks, p))
+    compute_s = own - tp_s - cp_s - ep_s
     dp_s = zero_s = 0.0
     if layout.replicas > 1:
         dp_s, zero_s = _data_parallel(shape, layout, hardware, m, forward, backward, ranks, timeline, total,
                                       value_bytes, gradient_bytes, overlap_dp, overlap_gather, stage_layers, costs,
                                       balanced=not head_on_last_stage, reshard=reshard_after_forward)
     return StepTime(layout, m, compute_s, tp_s, without_sends - own, total - without_sends, dp_s, zero_s,
-                    ranks[bound][0], ranks[bound][1], cp_s)
+                    ranks[bound][0], ranks[bound][1], cp_s, ep_s)
 
 
 def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2,
@@ -329,6 +335,13 @@ def _data_parallel(shape: Any, layout: Layout, hardware: Hardware, m: int, forwa
     reduce = ring_reduce_scatter_cost if layout.zero >= 1 else ring_all_reduce_cost
     parameters = ([num_parameters(shape) / (t * chunks)] * chunks if balanced  # per GPU
                   else [count / t for count in chunk_parameters(shape, layout, stage_layers)])
+    if getattr(shape, "moe_layers", 0):  # the routed experts: 1/ep a GPU, reduced over the d/ep holding the same
+        experts = ([expert_parameters(shape) / chunks] * chunks if balanced else
+                   [n * expert_parameters(shape) / shape.moe_layers for n in chunk_moe_layers(shape, layout, stage_layers)])
+        d_e, link_e = d // layout.ep, link_of(hardware, t * layout.ep, d // layout.ep)
+        # as elements on the dense ring of the same time: (d_e - 1) / d_e of them over link_e's bandwidth
+        same = (d_e - 1) / d_e * link_e.beta_s_per_byte / ((d - 1) / d * link.beta_s_per_byte)
+        parameters = [dense - e / t + e / layout.ep * same for dense, e in zip(parameters, experts, strict=True)]
     bucket = None if hardware.dp_bucket_elements is None else max(hardware.dp_bucket_elements, 1_000_000 * d)
 
     def pieces(elements: float) -> tuple[int, float]:  # how many buckets, and the elements of each

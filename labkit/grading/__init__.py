@@ -64,6 +64,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                        "The input pipeline: the seed of one sample's augmentation, the same in every process"),
     "long_context": ("13_long_context.py", "labkit.grading.checkers.long_context",
                      "Long sequences: the LSE merge of partial attention, the zig-zag split, blockwise attention"),
+    "mixture_of_experts": ("14_mixture_of_experts.py", "labkit.grading.checkers.mixture_of_experts",
+                           "Mixture of experts: expert parallelism's send counts, dispatch order and its inverse"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0

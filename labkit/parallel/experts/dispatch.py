@@ -48,7 +48,8 @@ class ExpertParallelGroup:
     ``log`` lists ``(phase, kind, bytes)``: ``kind`` ``"counts"`` (the per-expert counts), ``"dispatch"`` or
     ``"combine"`` (``"ddispatch"``, ``"dcombine"`` in backward); ``bytes`` the rows sent to *other* ranks.
     ``splits`` lists, per forward dispatch, the rows this rank sent to each rank and received from each.
-    ``expert_seconds`` lists this rank's time in its experts, per layer call (forward).
+    ``expert_seconds`` lists this rank's time in its experts per layer call (forward), as the CPU time of its
+    thread: what the experts cost it whether or not other ranks shared its core meanwhile.
     """
 
     def __init__(self, group: Any = None):
@@ -102,11 +103,11 @@ class ExpertParallelGroup:
         # (source, expert) order -> (expert, source): a stable sort by local expert id
         local = torch.arange(from_each.shape[1], device=rows.device).repeat(self.size)
         regroup = dispatch_order(local.repeat_interleave(from_each.reshape(-1)), from_each.shape[1], 1)
-        start, first = time.perf_counter(), self.experts(len(experts)).start
+        start, first = time.thread_time(), self.experts(len(experts)).start
         with trace.span(f"experts {first}-{first + from_each.shape[1] - 1}", "compute"):
             computed = run_experts(received[regroup], from_each.sum(dim=0).tolist(), experts, first)
         if torch.is_grad_enabled():
-            self.expert_seconds.append(time.perf_counter() - start)
+            self.expert_seconds.append(time.thread_time() - start)
         return _AllToAll.apply(computed[inverse_permutation(regroup)], send, receive, self, "combine")
 
 
