@@ -18,6 +18,9 @@ they must be put back where each assignment was.  Three functions:
 3. ``inverse_permutation(order) -> torch.Tensor``: the permutation ``inverse`` that undoes ``order``:
    ``x[order][inverse]`` is ``x`` for any ``x``.
 
+All three return ``torch.long`` tensors (a real rank's counts pass 255 and its indices 32,767) on the input's device,
+and leave their inputs as they were (the caller uses the ids and the order again).
+
 Then run the grading cell of ``notebooks/14_mixture_of_experts.ipynb`` (or ``labkit grade``); the checks use several
 ``ep``, ``k`` and expert counts, uneven loads and experts no token chose, and finally your three functions in a
 real all-to-all dispatch on 2 to 4 processes.  labkit's own ``labkit.parallel`` (its dispatch among it) is switched

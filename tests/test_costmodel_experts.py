@@ -5,13 +5,21 @@ the all-to-all's bytes and time, the step and memory terms, and ``labkit plan`` 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
+import torch
 
 from labkit.cli import main
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPUS, model_flops_per_step
-from labkit.costmodel.experts import ep_all_to_all_s, ep_messages, ep_uniform_bytes
+from labkit.costmodel.experts import (
+    busiest_rank_share,
+    ep_all_to_all_s,
+    ep_messages,
+    ep_uniform_bytes,
+    expected_max_normal,
+)
 from labkit.costmodel.planner import Cluster, candidates, layout_memory
 from labkit.costmodel.shapes import (
     TransformerShape,
@@ -83,6 +91,21 @@ def test_the_all_to_all_bytes_and_time():
     expected = 3 * 1e-5 + tokens * 2 * 4096 * 2 * 3 / 4 * 1e-10 + 5e-6
     assert ep_all_to_all_s(shape, layout, link, 5e-6) == pytest.approx(expected)
     assert ep_all_to_all_s(shape, dataclasses.replace(layout, ep=1), link) == 0.0
+
+
+def test_the_busiest_rank_of_a_uniform_router():
+    assert expected_max_normal(1) == pytest.approx(0.0, abs=1e-12)
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-9)  # E[max of two] = 1/sqrt(pi)
+    assert expected_max_normal(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-9)
+    generator = torch.Generator().manual_seed(1)
+    for ep in (4, 16):
+        shares = []
+        for _ in range(500):
+            counts = torch.bincount(torch.randint(ep, (4096,), generator=generator), minlength=ep).double()
+            shares.append(float(counts.max() / counts.mean()))
+        assert busiest_rank_share(4096, ep) == pytest.approx(sum(shares) / len(shares), rel=0.01)
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        expected_max_normal(0)
 
 
 def test_expert_parallelism_in_the_step_and_memory_models():

@@ -204,3 +204,14 @@ def test_tinygpt_with_experts_counts_its_parameters_and_starts_alike():
 def test_bad_moe_settings_are_refused_naming_the_value(overrides, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig.preset("100k", **overrides)
+
+
+def test_both_remedies_balance_the_router_for_another_seed_too():
+    """Lesson 14's balancing runs (seed 0 there), with seed 1: the busiest expert's share over the last 20 steps is
+    lower with the auxiliary loss and with the bias than without balancing."""
+    from labkit.parallel.experts.timing import BALANCING, balance_run
+
+    late = {name: balance_run(name, seed=1)["late"] for name in BALANCING}
+    assert late["auxiliary loss"] < late["no balancing"] and late["bias (DeepSeek-V3)"] < late["no balancing"], late
+    with pytest.raises(ValueError, match="balancing must be one of"):
+        balance_run("dropout")

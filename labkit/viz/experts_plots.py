@@ -24,21 +24,22 @@ RUN_COLORS = {"no balancing": "#C44E52", "auxiliary loss": "#4C72B0", "bias (Dee
 
 def plot_routing(gates: torch.Tensor, experts: torch.Tensor, kept: torch.Tensor, capacity: int | None,
                  title: str = "") -> Figure:
-    """Left: each token's gate on each expert (rows tokens, columns experts; 0 where not chosen), its dropped
-    choices crossed.  Right: each expert's assignments, kept and dropped, against the capacity."""
+    """Left: each token's gate on each expert (rows tokens, columns experts; 0 where not chosen), its first choice
+    dotted, its dropped choices crossed.  Right: each expert's assignments, kept and dropped, against the
+    capacity."""
     n_tokens, n_experts = gates.shape
     figure = Figure(figsize=(10, 0.16 * n_tokens + 1.6))
     left, right = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1]})
     image = left.imshow(gates.detach().numpy(), cmap="Blues", aspect="auto", vmin=0, vmax=1)
     figure.colorbar(image, ax=left, label="gate weight")
+    left.scatter(experts[:, 0].numpy(), np.arange(n_tokens), marker=".", color="black", s=12, label="first choice")
     rows, choices = (~kept).nonzero(as_tuple=True)
     left.scatter(experts[rows, choices].numpy(), rows.numpy(), marker="x", color="#C44E52", s=30,
                  label="dropped (over capacity)")
     left.set_xlabel("expert")
     left.set_ylabel("token")
     left.set_xticks(range(n_experts))
-    if len(rows):
-        left.legend(loc="lower right", fontsize=7)
+    left.legend(loc="lower right", fontsize=7)
     left.set_title(title or "the router's choices", fontsize=9)
     assigned = torch.bincount(experts.reshape(-1), minlength=n_experts).numpy()
     received = torch.bincount(experts[kept], minlength=n_experts).numpy()
@@ -145,66 +146,79 @@ def plot_capacity(factors: Sequence[str], dropped: Sequence[float], seconds: Seq
     return figure
 
 
-def expected_load(n_experts: int, skew: float) -> np.ndarray:
-    """A router's share of assignments per expert when expert ``i``'s popularity is ``1 / (i + 1)^skew`` (Zipf;
-    0: uniform), normalised."""
-    popularity = 1.0 / np.arange(1, n_experts + 1) ** skew
-    return popularity / popularity.sum()
+def expected_load(n_experts: int, zipf: float, top_k: int = 1) -> np.ndarray:
+    """A router's share of the assignments per expert when expert ``i``'s popularity is ``1 / (i + 1)^zipf`` (0:
+    uniform), normalised; a token chooses ``top_k`` distinct experts, so no expert takes more than ``1 / top_k``
+    of them: shares above that are capped and the excess spread over the others in proportion (water-filling)."""
+    share = 1.0 / np.arange(1, n_experts + 1) ** zipf
+    share /= share.sum()
+    cap = 1.0 / top_k
+    for _ in range(n_experts):
+        over = share > cap
+        if not over.any():
+            break
+        excess = float((share[over] - cap).sum())
+        share[over] = cap
+        free = ~over & (share < cap)
+        share[free] += excess * share[free] / share[free].sum()
+    return share
 
 
-def explorer_summary(n_experts: int, top_k: int, capacity_factor: float | None, skew: float, ep: int,
+def explorer_summary(n_experts: int, top_k: int, capacity_factor: float | None, zipf: float, ep: int,
                      tokens: int = 4096, hidden: int = 4096, ffn: int = 14336) -> dict[str, float]:
     """What :func:`moe_explorer` shows, computed: dropped share, parameters per layer total and active (SwiGLU
     experts of ``hidden x ffn``, Mixtral's), each rank's expert parameters, bytes of one all-to-all under
-    uniform routing and the busiest rank's received rows over the mean."""
-    share = expected_load(n_experts, skew)
-    load = tokens * top_k * share
+    uniform routing and the busiest rank's rows over the mean, after the drops (a sender drops before it sends)."""
+    load = tokens * top_k * expected_load(n_experts, zipf, top_k)
     capacity = math.inf if capacity_factor is None else math.ceil(capacity_factor * tokens * top_k / n_experts)
-    dropped = float(np.maximum(load - capacity, 0).sum() / (tokens * top_k))
+    kept = np.minimum(load, capacity)
+    dropped = float((load - kept).sum() / (tokens * top_k))
     expert = 3 * hidden * ffn
-    per_rank = share.reshape(ep, -1).sum(axis=1) if n_experts % ep == 0 else share
+    per_rank = kept.reshape(ep, -1).sum(axis=1)
     return {"dropped": dropped, "total": n_experts * expert, "active": top_k * expert,
             "per_rank": n_experts // ep * expert, "a2a": ep_uniform_bytes(tokens, top_k, hidden, 2, ep),
-            "busiest": float(per_rank.max() * len(per_rank)), "capacity": capacity}
+            "busiest": float(per_rank.max() / per_rank.mean()), "capacity": capacity}
 
 
-def plot_explorer(n_experts: int, top_k: int, capacity_factor: float | None, skew: float, ep: int,
+def plot_explorer(n_experts: int, top_k: int, capacity_factor: float | None, zipf: float, ep: int,
                   tokens: int = 4096) -> Figure:
     """Each expert's expected assignments under the skewed router (ranks coloured), the capacity, what drops."""
-    share = expected_load(n_experts, skew)
-    load = tokens * top_k * share
-    summary = explorer_summary(n_experts, top_k, capacity_factor, skew, ep, tokens)
+    load = tokens * top_k * expected_load(n_experts, zipf, top_k)
+    summary = explorer_summary(n_experts, top_k, capacity_factor, zipf, ep, tokens)
     figure = Figure(figsize=(9.5, 3.4))
     axis = figure.subplots()
     local = n_experts // ep
     colors = [RANK_COLORS[(e // local) % len(RANK_COLORS)] for e in range(n_experts)]
     kept = np.minimum(load, summary["capacity"])
-    axis.bar(range(n_experts), kept, color=colors, width=0.9)
-    axis.bar(range(n_experts), load - kept, bottom=kept, color="#C44E52", width=0.9, label="dropped")
+    for rank in range(ep):
+        held = range(rank * local, (rank + 1) * local)
+        axis.bar(held, kept[held.start:held.stop], color=colors[held.start], width=0.9, label=f"rank {rank}"
+                 if ep <= 8 else None)
+    axis.bar(range(n_experts), load - kept, bottom=kept, color="white", edgecolor="black", hatch="///", width=0.9,
+             label="dropped")
     if math.isfinite(summary["capacity"]):
         axis.axhline(summary["capacity"], color="black", linestyle="--", linewidth=1,
                      label=f"capacity {summary['capacity']:.0f}")
     axis.set_xlabel(f"expert (colour: the rank holding it, ep = {ep})")
     axis.set_ylabel(f"assignments of {tokens:,} tokens x {top_k}")
     axis.set_title(f"{summary['dropped']:.1%} of the assignments dropped; the busiest rank receives "
-                   f"{summary['busiest']:.2f}x the mean", fontsize=9)
-    if summary["dropped"] or math.isfinite(summary["capacity"]):
-        axis.legend(fontsize=7)
+                   f"{summary['busiest']:.2f}x the mean (after the drops)", fontsize=9)
+    axis.legend(fontsize=7, ncol=2)
     axis.grid(True, axis="y", alpha=0.3)
     figure.tight_layout()
     return figure
 
 
-def moe_explorer(n_experts: int = 8, top_k: int = 2, capacity_factor: str = "1.25", skew: float = 0.5,
+def moe_explorer(n_experts: int = 8, top_k: int = 2, capacity_factor: str = "1.25", zipf: float = 0.5,
                  ep: int = 4) -> widgets.VBox:
-    """Choose the experts, top-k, the capacity factor, the router's skew and ep: each expert's load and what is
-    dropped, the parameters total and active, each rank's share and one all-to-all's bytes (a Mixtral-sized layer:
-    4,096 tokens of 4,096 values in bf16, SwiGLU experts 14,336 wide)."""
+    """Choose the experts, top-k, the capacity factor, the router's skew (a Zipf exponent) and ep: each expert's
+    load and what is dropped, the parameters total and active, each rank's share and one all-to-all's bytes (a
+    Mixtral-sized layer: 4,096 tokens of 4,096 values in bf16, SwiGLU experts 14,336 wide)."""
     experts = widgets.Dropdown(options=[4, 8, 16, 32, 64], value=n_experts, description="experts")
     k = widgets.IntSlider(value=top_k, min=1, max=8, description="top-k")
     factor = widgets.Dropdown(options=["none", "0.5", "1.0", "1.25", "2.0"], value=capacity_factor,
                               description="capacity")
-    bias = widgets.FloatSlider(value=skew, min=0.0, max=2.0, step=0.1, description="skew")
+    bias = widgets.FloatSlider(value=zipf, min=0.0, max=2.0, step=0.1, description="skew (Zipf)")
     ranks = widgets.Dropdown(options=[1, 2, 4, 8], value=ep, description="ep")
     picture, summary = widgets.Image(format="png"), widgets.HTML()
 

@@ -2,22 +2,29 @@
 
 Four checks, building up:
 
-1. ``send_counts`` over ``ep`` = 1 to 8 and ``E`` = 8, 12 and 64 experts, on ``[N]`` and ``[T, k]`` ids with ``k`` up
-   to 8: one count per rank (a tensor of ``ep`` integers), zeros for ranks no assignment reaches (experts nobody
-   chose, the last rank's among them), summing to every assignment; experts owned contiguously (round-robin
-   ownership, ``e % ep``, fails), every choice counted (counting tokens, or first choices only, fails);
-2. ``dispatch_order``: a permutation of ``range(N)`` that sorts the ids, ties in their original order, on loads
-   skewed onto one expert and on ties everywhere (one expert for all); grouping by rank alone (the experts of a
-   rank interleaved), a descending or unstable order fails;
-3. ``inverse_permutation`` undoes any permutation, random, the identity, a reversal, one element and none;
-   ``order`` itself, or ``order`` reversed, fails (they undo only their own kind);
+1. ``send_counts`` over ``ep`` = 1 to 8 and ``E`` = 8 to 256 experts, on ``[N]`` and ``[T, k]`` ids with ``k`` up
+   to 8, up to a real batch (4,096 tokens x top-8: counts in the thousands): one count per rank (``ep`` integers of
+   ``torch.long``), zeros for ranks no assignment reaches (experts nobody chose, the last rank's among them),
+   summing to every assignment; experts owned contiguously (round-robin ownership, ``e % ep``, fails), every choice
+   counted (counting tokens, or first choices only, fails); the ids left as they were;
+2. ``dispatch_order``: a permutation of ``range(N)`` (``torch.long``) that sorts the ids, ties in their original
+   order, on loads skewed onto one expert, on ties everywhere (one expert for all) and on 70,000 ids (a tie-break
+   folded into the key, ``id * 1000 + i``, fails there); grouping by rank alone (the experts of a rank interleaved),
+   a descending or unstable order fails; the result on the input's device (tried on ``meta``: numpy fails);
+3. ``inverse_permutation`` undoes any permutation, random (up to 70,000), the identity, a reversal, one element
+   and none, on the input's device; ``order`` itself, or ``order`` reversed, fails (they undo only their own
+   kind); an answer that writes over ``order`` fails;
 4. the three together in a real dispatch on 2, 3 and 4 processes: each rank routes its own tokens (uneven counts,
    some experts unused), exchanges the counts with ``all_to_all_single``, sends its rows laid out by your
-   ``dispatch_order`` in your ``send_counts``, each expert transforms its rows, and the results come back and are
-   put in place by your ``inverse_permutation``: every token gets exactly its experts' outputs.
+   ``dispatch_order`` in your ``send_counts`` (both given the same ids, which must survive them), each expert
+   transforms its rows, and the results come back and are put in place by your ``inverse_permutation``: every
+   token gets exactly its experts' outputs.
 
-While the checks run, :mod:`labkit.grading.guard` switches off ``labkit.parallel`` (labkit's own dispatch among
-it) and this checker refuses a fresh copy of any labkit file loaded under another name.
+Counts and indices must be ``torch.long``: a real rank's exceed 255 (uint8, which indexing also reads as a mask)
+and 32,767 (int16).  While the checks run, :mod:`labkit.grading.guard` switches off ``labkit.parallel``
+(labkit's own dispatch among it) and this checker refuses a fresh copy of any labkit file loaded under another
+name.  (As the guard says, it stops honest shortcuts, not an adversary: code captured from labkit's functions
+at import, or its source executed without a module, passes.)
 """
 
 from __future__ import annotations
@@ -49,15 +56,23 @@ def _tensor(result: object, what: str, length: int) -> torch.Tensor:
         raise CheckFailed(f"{what} returned {type(result).__name__}; expected a torch.Tensor of {length} integers")
     if result.dim() != 1 or result.numel() != length:
         raise CheckFailed(f"{what} returned a tensor of shape {tuple(result.shape)}; expected ({length},)")
-    if result.dtype.is_floating_point or result.dtype == torch.bool:
-        raise CheckFailed(f"{what} returned {result.dtype}; expected integers (torch.long)")
-    return result.long()
+    if result.dtype != torch.long:
+        raise CheckFailed(f"{what} returned {result.dtype}; expected torch.long (int64): counts and indices of real "
+                          "batches pass 255 (uint8), 32,767 (int16), and all_to_all_single and indexing take int64")
+    return result
 
 
-# (ids shape, experts, ep, skewed, unused experts): [N] and [T, k]; uneven loads; the last ranks' experts unused
+def _unchanged(before: torch.Tensor, after: torch.Tensor, what: str) -> None:
+    if not torch.equal(before, after):
+        raise CheckFailed(f"{what} changed its input in place: the caller's tensor is needed afterwards (the same ids "
+                          "give the counts and the order; the order is used again to put the results back)")
+
+
+# (ids shape, experts, ep, skewed, unused experts): [N] and [T, k]; uneven loads; the last ranks' experts unused; a
+# real batch's size (4,096 tokens x top-8 over 256 experts: counts past 255, indices past 32,767)
 COUNT_CASES = [((40,), 8, 2, False, ()), ((16, 2), 8, 4, False, (6, 7)), ((9, 8), 64, 8, True, ()),
                ((30, 3), 12, 3, False, (0, 1, 2, 3)), ((25, 1), 8, 8, True, (5,)), ((7, 4), 12, 1, False, ()),
-               ((50,), 64, 4, True, tuple(range(48, 64)))]
+               ((50,), 64, 4, True, tuple(range(48, 64))), ((4096, 8), 256, 8, True, ())]
 
 
 @guard.no_shortcuts
@@ -67,7 +82,9 @@ def check_send_counts(module) -> None:
     for shape, n_experts, ep, skew, unused in COUNT_CASES:
         ids = _ids(shape, n_experts, seed=sum(shape) + ep, skew=skew, unused=unused)
         what = f"send_counts of ids {tuple(shape)} over {n_experts} experts and ep={ep}"
-        found = _tensor(module.send_counts(ids.clone(), n_experts, ep), what, ep)
+        given = ids.clone()
+        found = _tensor(module.send_counts(given, n_experts, ep), what, ep)
+        _unchanged(ids, given, what)
         owner = ids.reshape(-1) // (n_experts // ep)
         expected = torch.tensor([int((owner == rank).sum()) for rank in range(ep)])
         if not torch.equal(found, expected):
@@ -81,7 +98,8 @@ def check_send_counts(module) -> None:
 
 
 ORDER_CASES = [((40,), 8, 2, False, ()), ((33,), 12, 3, True, ()), ((64,), 64, 8, True, tuple(range(32, 64))),
-               ((20,), 8, 4, False, (0, 1, 2, 3, 4, 5, 6)), ((1,), 4, 2, False, ()), ((0,), 4, 2, False, ())]
+               ((20,), 8, 4, False, (0, 1, 2, 3, 4, 5, 6)), ((1,), 4, 2, False, ()), ((0,), 4, 2, False, ()),
+               ((70000,), 256, 8, True, ())]
 
 
 @guard.no_shortcuts
@@ -91,10 +109,13 @@ def check_dispatch_order(module) -> None:
     for shape, n_experts, ep, skew, unused in ORDER_CASES:
         ids = _ids(shape, n_experts, seed=shape[0] + n_experts, skew=skew, unused=unused)
         what = f"dispatch_order of {shape[0]} ids over {n_experts} experts and ep={ep}"
-        order = _tensor(module.dispatch_order(ids.clone(), n_experts, ep), what, ids.numel())
-        if sorted(order.tolist()) != list(range(ids.numel())):
+        given = ids.clone()
+        order = _tensor(module.dispatch_order(given, n_experts, ep), what, ids.numel())
+        _unchanged(ids, given, what)
+        if not torch.equal(torch.sort(order).values, torch.arange(ids.numel())):
             raise CheckFailed(f"{what} returned {order.tolist()[:12]}...: not a permutation of range({ids.numel()})")
-        expected = sorted(range(ids.numel()), key=lambda i: (int(ids[i]), i))
+        expected = torch.sort(ids, stable=True).indices.tolist() if ids.numel() > 100 else \
+            sorted(range(ids.numel()), key=lambda i: (int(ids[i]), i))
         if order.tolist() != expected:
             laid = ids[order].tolist()
             hint = (" (the ranks are in order but their experts are interleaved: within a rank, group by expert)"
@@ -104,7 +125,23 @@ def check_dispatch_order(module) -> None:
                     if laid == sorted(laid) else "")
             raise CheckFailed(f"{what}: ids[order] is {laid[:16]}{'...' if len(laid) > 16 else ''}; expected "
                               f"{[int(ids[i]) for i in expected][:16]}{hint}")
+    _same_device(lambda t: module.dispatch_order(t, 8, 2), torch.tensor([3, 1, 2]), "dispatch_order")
     copies.refuse_copies_of_labkit()
+
+
+def _same_device(function, example: torch.Tensor, what: str) -> None:
+    """The result lives where the input does (a GPU's ids give a GPU's order): tried on the ``meta`` device, which
+    needs no GPU and refuses whatever would copy to the CPU (``.numpy()``, ``.tolist()``)."""
+    try:
+        result = function(example.to("meta"))
+    except Exception as error:  # noqa: BLE001: any failure is the student's
+        raise CheckFailed(f"{what} of a tensor on another device than the CPU failed ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0][:120]}): keep to torch operations on the input's device, "
+                          "no numpy or Python lists") from None
+    if not isinstance(result, torch.Tensor) or result.device.type != "meta":
+        device = result.device if isinstance(result, torch.Tensor) else type(result).__name__
+        raise CheckFailed(f"{what} of a tensor on another device returned one on {device}: create new tensors on "
+                          "the input's device (device=...)")
 
 
 @guard.no_shortcuts
@@ -117,12 +154,16 @@ def check_inverse(module) -> None:
              "the identity": torch.arange(9), "a reversal": torch.arange(9).flip(0),
              "a rotation": torch.roll(torch.arange(11), 3), "one element": torch.zeros(1, dtype=torch.long),
              "no element": torch.zeros(0, dtype=torch.long)}
+    cases["a random permutation of 70,000"] = torch.randperm(70000, generator=generator)
     for name, order in cases.items():
-        inverse = _tensor(module.inverse_permutation(order.clone()), f"inverse_permutation of {name}", order.numel())
+        given = order.clone()
+        inverse = _tensor(module.inverse_permutation(given), f"inverse_permutation of {name}", order.numel())
+        _unchanged(order, given, f"inverse_permutation of {name}")
         x = torch.arange(order.numel()) * 10 + 1
         if not torch.equal(x[order][inverse], x):
             raise CheckFailed(f"inverse_permutation of {name} {order.tolist()[:10]} returned "
                               f"{inverse.tolist()[:10]}: x[order][inverse] != x (position order[i] holds i)")
+    _same_device(module.inverse_permutation, torch.tensor([2, 0, 1]), "inverse_permutation")
     copies.refuse_copies_of_labkit()
 
 
@@ -136,8 +177,11 @@ def _dispatch(module, n_experts: int, top_k: int, seed: int) -> dict:
     x = torch.randn(tokens, 4, dtype=torch.float64, generator=generator)
     ids = torch.randint(n_experts - 1, (tokens, top_k), generator=generator)  # the last expert never chosen
     flat = ids.reshape(-1)
-    order = module.dispatch_order(flat.clone(), n_experts, ep).long()
-    counts = module.send_counts(ids.clone(), n_experts, ep).long()
+    kept = ids.clone()
+    counts = module.send_counts(ids, n_experts, ep)  # the same tensors throughout, as a layer would pass them
+    order = module.dispatch_order(flat, n_experts, ep)
+    if not torch.equal(ids, kept):
+        raise CheckFailed("send_counts or dispatch_order changed the ids in place: the dispatch needs them after")
     rows = x[order // top_k]
     per_expert = torch.bincount(flat, minlength=n_experts)
     received_counts = torch.empty_like(per_expert)
@@ -150,7 +194,7 @@ def _dispatch(module, n_experts: int, top_k: int, seed: int) -> dict:
     computed = received * (experts_of_rows + 1).unsqueeze(1) + experts_of_rows.unsqueeze(1)
     back = rows.new_empty(rows.shape)
     dist.all_to_all_single(back, computed, counts.tolist(), receive)
-    inverse = module.inverse_permutation(order.clone()).long()
+    inverse = module.inverse_permutation(order)
     outputs = back[inverse].view(tokens, top_k, 4)
     expected = x.unsqueeze(1) * (ids + 1).unsqueeze(2) + ids.unsqueeze(2)
     copies.refuse_copies_of_labkit()  # in this process too: a copy loaded here never reaches the parent

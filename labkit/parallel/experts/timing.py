@@ -74,8 +74,10 @@ def moe_run(n_experts: int = 8, top_k: int = 2, *, hidden: int = 64, expert_hidd
     return result
 
 
+# The remedies lesson 14 compares: Switch's top-1 softmax router alone and with its auxiliary loss, and DeepSeek-V3's
+# sigmoid router with its bias update (gamma 0.01: DeepSeek-V3 used 0.001 over far more steps).
 BALANCING = {"no balancing": {}, "auxiliary loss": {"aux_loss_weight": 0.01},
-             "bias (DeepSeek-V3)": {"bias_update_rate": 0.01}}
+             "bias (DeepSeek-V3)": {"bias_update_rate": 0.01, "router": "sigmoid"}}
 
 
 def balance_run(balancing: str = "no balancing", *, steps: int = 60, window: int = 20, n_experts: int = 8,
