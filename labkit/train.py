@@ -255,7 +255,7 @@ def train(config: TrainConfig) -> dict:
             log.flush()
         if step % config.log_every == 0 or step == config.steps:
             report.log_progress(step, start, config, loss.detach(), floor, time.perf_counter() - began,
-                                model.communication_per_step())
+                                model.communication_per_step(), report.moe_summary(model.module))
         if config.checkpoint_dir and (step == config.steps or (config.save_every and step % config.save_every == 0)):
             saved = checkpoint.save(checkpoint.step_directory(config.checkpoint_dir, step), model, optimizer, step,
                                     generators={"data": generator}, extra={"config": asdict(config)},

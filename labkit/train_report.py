@@ -16,6 +16,7 @@ import torch
 import torch.distributed as torch_dist
 
 from labkit import checkpoint, dist, launch
+from labkit.parallel.experts.layer import moe_layers
 from labkit.train_config import MiB, TrainConfig
 
 
@@ -90,10 +91,22 @@ def failure(config: TrainConfig, error: Exception) -> str:
     return f"{line} ({others}{where}){resume}"
 
 
+def moe_summary(module: torch.nn.Module) -> str:
+    """What this rank's MoE layers did in their last forward pass: the share of the choices the capacity dropped
+    and the busiest expert's load over the mean (the worst layer); "" without MoE layers."""
+    layers = [layer.last for layer in moe_layers(module) if layer.last]
+    if not layers:
+        return ""
+    choices = sum(int(last["assigned"].sum()) for last in layers)
+    dropped = sum(last["dropped"] for last in layers) / max(1, choices)
+    busiest = max(float(last["assigned"].max()) / float(last["assigned"].float().mean()) for last in layers)
+    return f"MoE: {dropped:.1%} of the choices dropped, busiest expert {busiest:.2f}x the mean"
+
+
 def log_progress(step: int, start: int, config: TrainConfig, loss: torch.Tensor, floor: float | None, elapsed: float,
-         communication: dict[str, int]) -> None:
+                 communication: dict[str, int], extra: str = "") -> None:
     """Gather every rank's loss to rank 0 and print one progress line there (``elapsed``: seconds since the
-    run, or its resume at step ``start``, began)."""
+    run, or its resume at step ``start``, began; ``extra``: rank 0's own note, e.g. :func:`moe_summary`)."""
     if dist.is_initialized():
         losses = [torch.zeros_like(loss) for _ in range(dist.world_size())]
         torch_dist.all_gather(losses, loss)
@@ -101,11 +114,11 @@ def log_progress(step: int, start: int, config: TrainConfig, loss: torch.Tensor,
         losses = [loss]
     if dist.is_main():
         print(progress_line(step, start, config.steps, [value.item() for value in losses], floor, elapsed,
-                            communication), flush=True)
+                            communication, extra), flush=True)
 
 
 def progress_line(step: int, start: int, steps: int, losses: list[float], floor: float | None, elapsed: float,
-                  communication: dict[str, int]) -> str:
+                  communication: dict[str, int], extra: str = "") -> str:
     """The progress line of ``step`` (of ``steps``; this run began, or resumed, at ``start``): the mean of the
     ranks' ``losses`` and its distance to the loss ``floor``, each rank's loss, the bytes sent per step, and the
     time per step since the start (``elapsed`` seconds over ``step - start`` steps)."""
@@ -123,4 +136,5 @@ def progress_line(step: int, start: int, steps: int, losses: list[float], floor:
     return (f"[{bar}] step {step:>5}/{steps} loss {mean:.4f}{gap}"
             + (f" | per rank: {per_rank}" if per_rank else "")
             + (f" | MiB/step: {sent}" if sent else "")
+            + (f" | {extra}" if extra else "")
             + f" | {1e3 * elapsed / max(1, step - start):.1f} ms/step")

@@ -215,3 +215,18 @@ def test_both_remedies_balance_the_router_for_another_seed_too():
     assert late["auxiliary loss"] < late["no balancing"] and late["bias (DeepSeek-V3)"] < late["no balancing"], late
     with pytest.raises(ValueError, match="balancing must be one of"):
         balance_run("dropout")
+
+
+def test_the_trainers_progress_line_says_what_the_moe_layers_dropped():
+    from labkit.train_report import moe_summary, progress_line
+
+    model = TinyGPT(GPTConfig.preset("100k", n_experts=4, top_k=2, capacity_factor=0.5), seed=0)
+    assert moe_summary(model) == ""  # no forward yet
+    ids = torch.randint(32, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(ids, ids)
+    layers = moe_layers(model)
+    dropped = sum(layer.last["dropped"] for layer in layers) / (4 * 32 * 2)
+    summary = moe_summary(model)
+    assert summary.startswith(f"MoE: {dropped:.1%} of the choices dropped, busiest expert ") and dropped >= 0.5
+    assert f"| {summary} |" in progress_line(5, 0, 10, [2.0], None, 1.0, {}, summary)
+    assert moe_summary(TinyGPT(GPTConfig.preset("100k"), seed=0)) == ""
