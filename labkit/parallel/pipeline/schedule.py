@@ -18,6 +18,8 @@ schedule                   order on rank ``r``                       bubble frac
                            groups of ``p`` micro-batches             (chunk = 1/v)      chunks of ``1/v`` stage
 :func:`zb_h1`              1F1B with B split into I and W, each W    (p-1) / (3m+p-1)   ``p - r`` (from F to I)
                            deferred ``r`` micro-batches              (F = I = W = 1)
+:func:`zb_v`               two stages a rank in a V (r, 2p-1-r),     ~0 (m >= 2p-1)     ``2p`` of one stage
+                           F I W on each in turn (torch's ZBV)       (F = I = W = 1)
 =========================  ========================================  =================  ==========================
 
 Bubbles are for F = 1, B = 2 and no send latency, and need ``m >= p``; the interleaved count is at most ``m v``.
@@ -39,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 KINDS = ("F", "B", "I", "W")
+PLACEMENTS = ("loop", "v")
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 # torch's lowered schedules also hold communication and FSDP actions; they take a slot but compute nothing here.
 _TORCH_NON_COMPUTE = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)\d*$")
@@ -84,9 +87,13 @@ class Schedule:
     v: int
     name: str
     table: tuple[tuple[Action | None, ...], ...]
+    placement: str = "loop"  # stage s on rank s % p; "v": rank r holds stages r and 2p - 1 - r (ZB-V, DualPipeV)
 
     def __post_init__(self) -> None:
         _check_positive(p=self.p, m=self.m, v=self.v)
+        if self.placement not in PLACEMENTS or (self.placement == "v" and self.v != 2):
+            raise ValueError(f"placement must be one of {PLACEMENTS} ('v' with v = 2 stages per rank), got "
+                             f"{self.placement!r} with v={self.v}")
         object.__setattr__(self, "table", tuple(tuple(row) for row in self.table))
         if len(self.table) != self.p:
             raise ValueError(f"a schedule over p={self.p} ranks needs {self.p} rows, got {len(self.table)}")
@@ -96,7 +103,8 @@ class Schedule:
         return self.p * self.v
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.p
+        """The rank holding ``stage``: ``stage % p``, or under the V placement ``min(stage, 2p - 1 - stage)``."""
+        return stage % self.p if self.placement == "loop" else min(stage, 2 * self.p - 1 - stage)
 
     def orders(self) -> list[list[Action]]:
         """Each rank's actions in the order it runs them (the idle slots dropped)."""
@@ -187,9 +195,10 @@ def validate(schedule: Schedule) -> None:
     for rank, order in enumerate(schedule.orders()):
         for action in order:
             if action.stage >= schedule.stages or schedule.rank_of(action.stage) != rank:
+                where = "round-robin" if schedule.placement == "loop" else "in a V"
                 raise ValueError(f"{schedule.name}: rank {rank} runs {action}, but stage {action.stage} belongs to "
-                                 f"rank {action.stage % schedule.p} of p={schedule.p} "
-                                 f"(stages 0..{schedule.stages - 1} round-robin)")
+                                 f"rank {schedule.rank_of(action.stage) if action.stage < schedule.stages else '-'} "
+                                 f"of p={schedule.p} (stages 0..{schedule.stages - 1} {where})")
             if action.microbatch >= schedule.m:
                 raise ValueError(f"{schedule.name}: {action} names micro-batch {action.microbatch}, "
                                  f"but there are m={schedule.m}")
@@ -214,9 +223,9 @@ def validate(schedule: Schedule) -> None:
 # Generators: each decides the order of every rank; _place gives it time slots.
 
 
-def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]]) -> Schedule:
+def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]], placement: str = "loop") -> Schedule:
     """Time slots for ``orders``: every action one slot long, starting as soon as its rank and inputs allow."""
-    unplaced = Schedule(p, m, v, name, orders)
+    unplaced = Schedule(p, m, v, name, orders, placement)
     validate(unplaced)
     table: list[list[Action | None]] = []
     for events in _execute(unplaced, lambda action: 1):
@@ -224,7 +233,7 @@ def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]]) -> Sch
         for start, _, action in events:
             row[int(start)] = action
         table.append(row)
-    return Schedule(p, m, v, name, table)
+    return Schedule(p, m, v, name, table, placement)
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -304,6 +313,51 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 # ---------------------------------------------------------------------------------------------------------
 # torch's compute-only CSV: one row per rank, a cell per time slot ("0F0"), empty when idle.
+
+
+def zb_v(p: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2023, section 6): two stages per rank placed in a V, rank ``r`` holding stage ``r`` on the
+    way down and stage ``2p - 1 - r`` on the way back, so the last stage's output returns to rank 0, which started
+    the batch; backward split into ``I`` and ``W``.  Rank ``r`` warms up with ``2(p - r) - 1`` forwards of its
+    first stage, then ``r`` pairs (second stage, first stage), then ``p - r`` triples ``F I W`` on its second stage;
+    in the steady state each round runs ``F I W`` on the first stage then on the second; the cool-down takes ``r``
+    pairs of ``I`` (first, second), ``p - r`` pairs ``I W`` on the first stage, and the ``W`` still owed.  With
+    ``F = I = W`` its bubble is close to zero for ``m >= 2p - 1``; it keeps at most ``2p`` micro-batches' worth of
+    activations of one stage (Qi et al.'s ``2p M_B``, the same as 1F1B's ``p`` of a twice-larger stage).  The order
+    is torch's ``ScheduleZBVZeroBubble``'s, action for action (``tests/test_pipeline_schedule.py``)."""
+    _check_positive(p=p, m=m)
+    orders = []
+    for rank in range(p):
+        down, up = rank, 2 * p - 1 - rank
+        planned = max(2 * p - 1, m)  # the warm-up assumes this many; the extras are dropped below
+        order: list[Action] = []
+        f0 = f1 = b0 = b1 = 0  # forwards and input gradients run so far, of the first (0) and second (1) stage
+        for _ in range(2 * (p - rank) - 1):
+            order.append(Action(down, "F", f0))
+            f0 += 1
+        for _ in range(rank):
+            order += [Action(up, "F", f1), Action(down, "F", f0)]
+            f1, f0 = f1 + 1, f0 + 1
+        for _ in range(p - rank):
+            order += [Action(up, "F", f1), Action(up, "I", b1), Action(up, "W", b1)]
+            f1, b1 = f1 + 1, b1 + 1
+        while f1 < f0 or f0 < planned:
+            if f0 < planned:
+                order.append(Action(down, "F", f0))
+                f0 += 1
+            order += [Action(down, "I", b0), Action(down, "W", b0), Action(up, "F", f1), Action(up, "I", b1),
+                      Action(up, "W", b1)]
+            b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+        w0, w1 = b0, b1
+        for _ in range(rank):
+            order += [Action(down, "I", b0), Action(up, "I", b1)]
+            b0, b1 = b0 + 1, b1 + 1
+        for _ in range(p - rank):
+            order += [Action(down, "I", b0), Action(down, "W", w0)]
+            b0, w0 = b0 + 1, w0 + 1
+        order += [Action(up, "W", k) for k in range(w1, b1)] + [Action(down, "W", k) for k in range(w0, b0)]
+        orders.append([action for action in order if action.microbatch < m])
+    return _place("ZB-V", p, m, 2, orders, "v")
 
 
 def to_csv(schedule: Schedule) -> str:
