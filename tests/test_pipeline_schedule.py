@@ -240,5 +240,7 @@ def test_zb_v_is_torchs_zbv_action_for_action_and_valid():
             validate(schedule)
             assert [[str(a) for a in order] for order in schedule.orders()] == theirs, (p, m)
             assert [schedule.rank_of(s) for s in range(2 * p)] == [*range(p), *reversed(range(p))]
+            if m >= 2 * p - 1:  # the ramp's p - 1 slots against 6m of work, half ZB-H1's bubble
+                assert simulate(schedule).bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1)), (p, m)
     with pytest.raises(ValueError, match="'v' with v = 2 stages per rank"):
         Schedule(2, 2, 3, "bad", [[], []], "v")

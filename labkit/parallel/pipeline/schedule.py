@@ -18,8 +18,9 @@ schedule                   order on rank ``r``                       bubble frac
                            groups of ``p`` micro-batches             (chunk = 1/v)      chunks of ``1/v`` stage
 :func:`zb_h1`              1F1B with B split into I and W, each W    (p-1) / (3m+p-1)   ``p - r`` (from F to I)
                            deferred ``r`` micro-batches              (F = I = W = 1)
-:func:`zb_v`               two stages a rank in a V (r, 2p-1-r),     ~0 (m >= 2p-1)     ``2p`` of one stage
-                           F I W on each in turn (torch's ZBV)       (F = I = W = 1)
+:func:`zb_v`               two stages a rank in a V (r, 2p-1-r),     (p-1) / (6m+p-1)   1F1B's, ``p`` of a rank's
+                           F I W on each in turn (torch's ZBV)       (m >= 2p-1; a      layers (Qi et al.)
+                                                                     stage = 1/2)
 =========================  ========================================  =================  ==========================
 
 Bubbles are for F = 1, B = 2 and no send latency, and need ``m >= p``; the interleaved count is at most ``m v``.
@@ -322,9 +323,10 @@ def zb_v(p: int, m: int) -> Schedule:
     first stage, then ``r`` pairs (second stage, first stage), then ``p - r`` triples ``F I W`` on its second stage;
     in the steady state each round runs ``F I W`` on the first stage then on the second; the cool-down takes ``r``
     pairs of ``I`` (first, second), ``p - r`` pairs ``I W`` on the first stage, and the ``W`` still owed.  With
-    ``F = I = W`` its bubble is close to zero for ``m >= 2p - 1``; it keeps at most ``2p`` micro-batches' worth of
-    activations of one stage (Qi et al.'s ``2p M_B``, the same as 1F1B's ``p`` of a twice-larger stage).  The order
-    is torch's ``ScheduleZBVZeroBubble``'s, action for action (``tests/test_pipeline_schedule.py``)."""
+    ``F = I = W`` for a stage (half a rank's layers) and ``m >= 2p - 1`` only the ``p - 1`` slots of the ramp stay
+    idle, against ``6m`` of work a rank: ``(p - 1) / (6m + p - 1)``, half ZB-H1's idle time for the same layers;
+    its peak activations, Qi et al. report, are 1F1B's.  The order is torch's ``ScheduleZBVZeroBubble``'s, action
+    for action (``tests/test_pipeline_schedule.py``).  (The runtime does not run the V placement yet.)"""
     _check_positive(p=p, m=m)
     orders = []
     for rank in range(p):
