@@ -242,6 +242,11 @@ def plan(args: argparse.Namespace) -> int:
             if not shape.num_experts:
                 raise ValueError(f"--ep splits a mixture of experts' experts: {args.model} is dense")
             choices["expert_parallel"] = _degrees("--ep", args.ep)
+        if args.schedules is not None:
+            choices["schedules"] = tuple(name.strip() for name in args.schedules.split(","))
+            unknown = [name for name in choices["schedules"] if name not in planner.ALL_SCHEDULES]
+            if unknown:
+                raise ValueError(f"--schedules takes names among {', '.join(planner.ALL_SCHEDULES)}, got {unknown[0]!r}")
         result = planner.plan(shape, cluster, args.global_batch, top=args.top, **choices)
     except ValueError as error:
         print(f"labkit plan: {error}", file=sys.stderr)
@@ -302,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                              help="context-parallel degrees to try, e.g. 1,2,4,8 (default: none unless nothing fits)")
     plan_parser.add_argument("--ep", default=None, metavar="DEGREES",
                              help="an MoE shape's expert-parallel degrees to try, e.g. 1,8,64 (default: powers of two)")
+    plan_parser.add_argument("--schedules", default=None, metavar="NAMES",
+                             help="pipeline schedules to try, e.g. 1f1b,zb-v,dualpipev (default: 1f1b, interleaved, "
+                                  "gpipe, zb-h1; also interleaved-zb, zb-v, dualpipev)")
     plan_parser.add_argument("--efficiency", type=float, default=None,
                              help="fraction of peak the matrices reach (default: lesson 11's fitted one)")
     plan_parser.set_defaults(run=plan)

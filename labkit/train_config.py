@@ -62,7 +62,7 @@ class TrainConfig:
     zero: int = 0  # 3D: the data-parallel wrapper, 0 DDP, 1/2 ZeRO-1/2, 3 FSDP
     schedule: str = "1f1b"
     microbatches: int | None = None  # per step; default 2 pp (1 without a pipeline)
-    virtual_stages: int = 2  # stages per rank of the interleaved schedule
+    virtual_stages: int = 2  # stages per rank of the interleaved schedules (zb-v and dualpipev: always 2)
     precision: str = "fp32"
     trace: str | None = None  # write a Chrome trace of the last step here
     log_dir: str | None = None  # each rank's progress in DIR/rank-R.log
@@ -267,7 +267,8 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--schedule", default="1f1b", help=f"3D: pipeline schedule, one of {', '.join(SCHEDULES)}")
     parser.add_argument("--microbatches", type=int, default=None,
                         help="3D: micro-batches per step, dividing --batch-size (default 2 x pp, or 1)")
-    parser.add_argument("--virtual-stages", type=int, default=2, help="3D, interleaved: stages per rank")
+    parser.add_argument("--virtual-stages", type=int, default=2,
+                        help="3D, interleaved and interleaved-zb: stages per rank")
     parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
     parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the last step to this file")
     parser.add_argument("--log-dir", default=None, help="each rank appends its progress to DIR/rank-R.log")

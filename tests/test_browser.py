@@ -48,7 +48,7 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Controls per notebook, over all its explorers (labkit.viz.widgets): update when a lesson adds an explorer.
 EXPECTED_CONTROLS = {"00_setup": 5, "01_collectives": 5, "02_data_parallel": 5, "03_batch_size_and_lr": 6,
                      "04_mixed_precision_and_memory": 2, "05_zero_and_fsdp": 8,
-                     "06_tensor_parallel": 7, "07_pipeline_parallel": 7,
+                     "06_tensor_parallel": 7, "07_pipeline_parallel": 8,
                      "08_async_parameter_server": 8, "09_pitfalls_and_checkpointing": 7, "10_3d_parallelism": 8,
                      "11_planning_a_training_run": 5, "12_monitoring_and_input_pipeline": 4,
                      "13_long_context": 7, "14_mixture_of_experts": 5}

@@ -26,6 +26,7 @@ LAYERS = [  # lowest first; a module's layer is the first prefix that matches
     # so is context parallelism's layout (which tokens a rank holds, the causal work of each tile), and the MoE layer
     # that TinyGPT's blocks hold (router, permutation, layer: one process; expert parallelism is a layer above).
     ("workloads and models", ("labkit.costmodel", "labkit.data", "labkit.models", "labkit.parallel.pipeline.schedule",
+                              "labkit.parallel.pipeline.zero_bubble", "labkit.parallel.pipeline.catalog",
                               "labkit.parallel.pipeline.simulate", "labkit.parallel.context.layout",
                               "labkit.parallel.experts.router", "labkit.parallel.experts.permute",
                               "labkit.parallel.experts.layer")),

@@ -220,10 +220,10 @@ def _move(control) -> None:
         control.value = control.value + step if control.value + step <= control.max else control.value - step
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "ZB-H1"])
+@pytest.mark.parametrize("schedule", ["1F1B", "ZB-H1", "DualPipeV"])
 def test_pipeline_explorer_redraws_on_release_for_every_control(schedule):
-    # 7 controls: schedule, p, m, v, forward, backward, weight (tests/test_browser.py's count)
-    check_every_control_redraws(pipeline_widgets.pipeline_explorer(schedule=schedule), 7, _move)
+    # 8 controls: schedule, p, m, v, forward, backward, weight, overlap (tests/test_browser.py's count)
+    check_every_control_redraws(pipeline_widgets.pipeline_explorer(schedule=schedule), 8, _move)
 
 
 def _record_figures(monkeypatch) -> list[Figure]:
@@ -251,9 +251,14 @@ def test_v_and_w_move_the_bubble_panel_even_when_the_chosen_schedule_ignores_the
     assert _boxes(drawn[-1].axes[0]) == timeline_boxes  # 1F1B's timeline does not read v
     assert "(p−1)/(vm+p−1), v = 3" in after and after["Interleaved 1F1B"] != before["Interleaved 1F1B"]
     assert after["ZB-H1"] == before["ZB-H1"]
-    controls["ZB-H1's W (ms)"].value = 0.5
+    controls["split: W (ms)"].value = 0.5
     assert _boxes(drawn[-1].axes[0]) == timeline_boxes  # nor W
     assert _series(drawn[-1])["ZB-H1"] != after["ZB-H1"] and _series(drawn[-1])["1F1B"] == after["1F1B"]
+    before = _series(drawn[-1])
+    controls["DualPipeV: overlap"].value = 1.0  # DualPipeV's markers only
+    after = _series(drawn[-1])
+    assert _boxes(drawn[-1].axes[0]) == timeline_boxes
+    assert all((after[name] != before[name]) == (name == "DualPipeV") for name in pipeline_widgets.SCHEDULES)
 
 
 def test_pipeline_explorer_shows_the_librarys_message_for_an_invalid_combination(monkeypatch):
@@ -269,7 +274,7 @@ def test_pipeline_explorer_shows_the_librarys_message_for_an_invalid_combination
     assert any(text.get_text().startswith("ValueError: ") and message in text.get_text().replace("\n", " ")
                for text in drawn[-1].axes[0].texts)
     controls["ranks p"].value, controls["schedule"].value = 4, "ZB-H1"
-    controls["ZB-H1's W (ms)"].value = 3.0  # longer than B = 2 ms
+    controls["split: W (ms)"].value = 3.0  # longer than B = 2 ms
     assert "W = 3 ms cannot exceed B = 2 ms" in summary.value
     controls["backward B (ms)"].value = 4.0
     assert "cannot run" not in summary.value and "exact when F = I = W" in summary.value
@@ -347,7 +352,7 @@ def test_rank_labels_drop_to_one_line_when_two_would_collide():
 
 # Every schedule at the largest p, m and v, the tightest timelines; m beside other labelled m's (p = 7, m = 31:
 # 28, 31 and 32 on the log axis); m < p; an interleaved m that p does not divide.
-EXPLORER_SETTINGS = [(name, p, m, v) for name in ("GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1")
+EXPLORER_SETTINGS = [(name, p, m, v) for name in pipeline_widgets.SCHEDULES
                      for p, m, v in ((8, 32, 4), (8, 8, 2), (7, 31, 3))] + [("1F1B", 2, 1, 1),
                                                                               ("Interleaved 1F1B", 8, 3, 2)]
 
@@ -361,18 +366,19 @@ def test_explorer_figure_has_no_colliding_labels_at_any_setting(name, p, m, v):
     assert any(text.get_gid() == "mark" and text.get_text().strip() == f"m = {m}" for text in figure.axes[1].texts)
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1"])
-def test_zb_h1_is_never_silently_absent_when_w_exceeds_b(monkeypatch, schedule):
+@pytest.mark.parametrize("schedule", list(pipeline_widgets.SCHEDULES))
+def test_a_split_schedule_is_never_silently_absent_when_w_exceeds_b(monkeypatch, schedule):
     drawn = _record_figures(monkeypatch)
     explorer = pipeline_widgets.pipeline_explorer(schedule=schedule, p=4, m=8, backward_ms=1.0, weight_ms=1.0)
     legend = " ".join(_legend(drawn[-1].axes[1]))
     assert "ZB-H1" in legend and "W > B" not in legend and _series(drawn[-1])["ZB-H1"]
     controls = {control.description: control for control in explorer_controls(explorer)}
-    controls["ZB-H1's W (ms)"].value = 1.5
+    controls["split: W (ms)"].value = 1.5
     legend = _legend(drawn[-1].axes[1])
-    assert "ZB-H1\n(none: W > B)" in legend and _series(drawn[-1])["ZB-H1"] == []
+    for split in pipeline_widgets.SPLIT:
+        assert f"{split}\n(none: W > B)" in legend and _series(drawn[-1])[split] == []
     assert "Interleaved 1F1B\n(only where p = 4 divides m)" in legend
-    if schedule == "ZB-H1":  # the chosen schedule: the reason in the timeline's place and in the summary
+    if schedule in pipeline_widgets.SPLIT:  # the chosen schedule: the reason in the timeline's place and summary
         message = "W = 1.5 ms cannot exceed B = 1 ms"
         assert message in explorer.children[1].value
         assert any(message in text.get_text().replace("\n", " ") for text in drawn[-1].axes[0].texts)
@@ -384,7 +390,7 @@ def test_explorer_sliders_have_room_for_a_track():
     explorer = pipeline_widgets.pipeline_explorer()
     sliders = [control for control in explorer_controls(explorer) if isinstance(control, ipywidgets.widgets.
                                                                                   widget_int._Int | ipywidgets.FloatSlider)]
-    assert len(sliders) == 6
+    assert len(sliders) == 7
     for slider in sliders:
         description = int(slider.style.description_width.removesuffix("ch"))
         total = int(slider.layout.width.removesuffix("ch"))

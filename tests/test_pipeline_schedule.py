@@ -220,27 +220,3 @@ def test_torch_1f1b_csv_is_read_and_validated(tmp_path):
     schedule = from_csv(_torch_csv(Schedule1F1B, 4, 8, tmp_path), 4, 8)
     validate(schedule)
     assert schedule.orders() == one_f_one_b(4, 8).orders()
-
-
-def test_zb_v_is_torchs_zbv_action_for_action_and_valid():
-    """ZB-V's order on every rank equals torch's ``ScheduleZBVZeroBubble`` (its per-rank operations, idle slots
-    dropped) on a grid of p and m, and the validator runs it with the V placement (rank r: stages r, 2p - 1 - r)."""
-    import types as namespace
-
-    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
-
-    from labkit.parallel.pipeline.schedule import zb_v
-
-    for p in range(1, 7):
-        for m in sorted({1, p, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p, 8}):
-            fake = namespace.SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m, n_local_stages=2)
-            theirs = [[repr(a) for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, r)
-                       if a is not None] for r in range(p)]
-            schedule = zb_v(p, m)
-            validate(schedule)
-            assert [[str(a) for a in order] for order in schedule.orders()] == theirs, (p, m)
-            assert [schedule.rank_of(s) for s in range(2 * p)] == [*range(p), *reversed(range(p))]
-            if m >= 2 * p - 1:  # the ramp's p - 1 slots against 6m of work, half ZB-H1's bubble
-                assert simulate(schedule).bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1)), (p, m)
-    with pytest.raises(ValueError, match="'v' with v = 2 stages per rank"):
-        Schedule(2, 2, 3, "bad", [[], []], "v")

@@ -160,7 +160,7 @@ def test_received_activations_have_the_agreed_shape_and_require_grad(runs):
 
 def test_stage_errors_name_the_rule(runs):
     errors = runs[2][0]["errors"]
-    assert "stage 1 lives on pp-rank 1 (stage % p, p=2), but this is pp-rank 0" in errors["wrong_rank"]
+    assert "stage 1 lives on pp-rank 1 (loop placement, p=2), but this is pp-rank 0" in errors["wrong_rank"]
     assert "(2, 17, 48)" in errors["wrong_shape"] and "(2, 16, 48)" in errors["wrong_shape"]
     assert "targets belong to the last stage" in errors["no_targets_here"]
 

@@ -84,7 +84,7 @@ def _dead_pid() -> int:
         (["--log-dir", "{file}"], "--log-dir {file}: a file, not a directory"),
         (["--trace", "{dir}"], "--trace {dir}: a directory; give the trace's file name"),
         (["--strategy", "ddp", "--schedule", "nonsense"], "--schedule must be one of gpipe, 1f1b, interleaved, zb-h1, "
-                                                         "got 'nonsense'"),
+                                                         "interleaved-zb, zb-v, dualpipev, got 'nonsense'"),
         (["--tp", "1", "--zero", "7"], "--zero must be one of (0, 1, 2, 3)"),
         (["--resume", "{dir}"], "--resume {dir}: {dir}/manifest.json: missing"),
     ],

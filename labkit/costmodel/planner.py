@@ -48,7 +48,8 @@ from labkit.costmodel.memory import TransformerShape, activation_bytes, memory_p
 from labkit.costmodel.stages import chunk_layers, rank_expert_parameters, rank_parameters
 from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")  # tried by default
+ALL_SCHEDULES = SCHEDULES + ("interleaved-zb", "zb-v", "dualpipev")  # those of 2024-25 on request (schedules=)
 MEMORY_MARGIN = 0.10  # of the device kept free for what the memory model does not count (module docstring)
 # Megatron-Core's gradient buckets: DistributedDataParallelConfig.bucket_size, "max(40000000, 1000000 * dp_size)
 # parameters (larger DP sizes need larger buckets to ensure collectives do not become latency-bound)".
@@ -145,13 +146,22 @@ def _ep_degrees(shape: TransformerShape, replicas: int, asked: tuple[int, ...] |
 def held_microbatches(layout: Layout, m: int, rank: int) -> float:
     """How many micro-batches of its stage's activations pipeline rank ``rank`` holds at its peak: all ``m``
     under GPipe, ``p - rank`` under 1F1B and ZB-H1 (at most ``m``), and under interleaving Megatron's warm-up,
-    ``(v - 1) p + 2 (p - 1 - rank) + 1`` chunk passes of ``1 / v`` of a stage each."""
+    ``(v - 1) p + 2 (p - 1 - rank) + 1`` chunk passes of ``1 / v`` of a stage each; interleaved ZB one fewer a
+    hop, ``(v - 1) g + p - rank`` (``g``: its round of ``m // max(1, m // p)`` micro-batches); ZB-V
+    ``min(2p, m + rank + 1, 2m)`` and DualPipeV ``2p + 1`` passes of half a stage (``p`` and ``p + 1/2`` stages
+    once ``m >= 2p``; tested against the simulator's count)."""
     p = layout.pp
     if layout.schedule == "gpipe":
         return m
-    if layout.schedule == "interleaved":
+    if layout.schedule.startswith("interleaved"):
         v = layout.virtual_stages
+        if layout.schedule == "interleaved-zb":
+            return min(m * v, (v - 1) * (m // max(1, m // p)) + p - rank) / v
         return min(m * v, (v - 1) * p + 2 * (p - 1 - rank) + 1) / v
+    if layout.schedule == "zb-v":
+        return min(2 * p, m + rank + 1, 2 * m) / 2
+    if layout.schedule == "dualpipev":
+        return p + 0.5
     return min(m, p - rank)
 
 
@@ -178,7 +188,8 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
     options = {"tp_degree": t, "sequence_parallel": sequence_parallel and t > 1, "dropout": dropout,
                "flash_attention": flash_attention}
     layers = chunk_layers(shape, layout, stage_layers)
-    stage = max(sum(layers[r::p]) for r in range(p))  # a rank's layers (its chunks together)
+    stage = max(sum(layers[c] for c in layout.chunks_of(r)) for r in range(p))  # a rank's layers, its chunks together
+    last = layout.rank_of(layout.chunks - 1)  # the output layer's rank: p - 1, or 0 in a V
     whole = activation_bytes(shape, b, checkpointing=layout.recompute, layers=max(stage, 1), **options)
     rebuilt = activation_bytes(shape, b, layers=1, **options)
     per_stage = (whole - rebuilt) if layout.recompute else whole
@@ -195,9 +206,9 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
     else:
         transient = 0.0
     worst: dict[str, float] = {}
-    for rank in sorted({0, p - 1}):
+    for rank in sorted({0, p - 1, last}):
         activations = held_microbatches(layout, m, rank) * per_stage + (rebuilt if layout.recompute else 0.0)
-        activations += (logits if rank == p - 1 else 0.0) + transient
+        activations += (logits if rank == last else 0.0) + transient
         memory = memory_per_rank(parameters[rank] - experts[rank], "mixed", "adam", layout.zero, layout.replicas, t,
                                  1, activations, accumulating=m > 1, gradient_bytes=gradient_bytes, peak=peak)
         if experts[rank]:  # the routed experts: 1/ep of them, sharded over the replicas of the same experts
@@ -209,6 +220,18 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
     return worst
 
 
+def _stages_per_rank(schedule: str, per_stage: int, p: int, m: int, asked: tuple[int, ...] | None
+                     ) -> tuple[int, ...]:
+    """The ``v`` to try for ``schedule`` on ``p`` ranks of ``per_stage`` layers and ``m`` micro-batches (none when
+    the schedule cannot run them)."""
+    if schedule in ("zb-v", "dualpipev"):  # two chunks a rank; DualPipeV needs m >= 2p
+        return (2,) if per_stage % 2 == 0 and (schedule == "zb-v" or m >= 2 * p) else ()
+    if schedule.startswith("interleaved"):  # Megatron's groups of p; interleaved ZB's rounds
+        runs = m % p == 0 if schedule == "interleaved" else m % max(1, m // p) == 0
+        return tuple(v for v in (asked or _divisors(per_stage)[1:]) if v > 1 and per_stage % v == 0) if runs else ()
+    return (1,)
+
+
 def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_batches=(1, 2, 4, 8),
                schedules=SCHEDULES, zero_stages=(0, 1, 2, 3), recompute=(False, True),
                virtual_stages: int | tuple[int, ...] | None = None, tensor_parallel: tuple[int, ...] | None = None,
@@ -217,12 +240,16 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
     """Every layout whose degrees divide what they split (see the module docstring), a ZeRO stage only where
     there are replicas to partition over (``d = 1``: the lowest stage asked for), and ZeRO-2 only where it differs
     from ZeRO-1 (``m = 1``: under accumulation it holds whole gradients and sends what ZeRO-1 sends).
-    ``virtual_stages``: the interleaved schedule's stages per rank to try (default: every ``v >= 2`` that divides a
+    ``schedules``: names of :data:`ALL_SCHEDULES` (the four of :data:`SCHEDULES` by default);
+    ``virtual_stages``: the interleaved schedules' stages per rank to try (default: every ``v >= 2`` that divides a
     stage's layers); ``tensor_parallel`` and ``pipeline_parallel``: the degrees to try (default: every divisor);
     ``context_parallel``: the cp degrees to try (default none; each must cut the sequence into ``2 cp`` zig-zag
     chunks, and with ``cp_strategy="ulysses"`` divide each TP rank's heads); ``expert_parallel``: the ep degrees
     to try for an MoE shape (default: every power of two dividing the experts and ``d cp``; a dense shape: 1)."""
     interleavings = (virtual_stages,) if isinstance(virtual_stages, int) else virtual_stages
+    unknown = [name for name in schedules if name not in ALL_SCHEDULES]
+    if unknown:
+        raise ValueError(f"schedules must be among {ALL_SCHEDULES}, got {unknown[0]!r}")
     found = []
     for t, cp in ((t, cp) for t in _divisors(num_gpus) for cp in context_parallel):
         if shape.num_heads % t or shape.num_kv_heads % t or (tensor_parallel and t not in tensor_parallel):
@@ -241,15 +268,11 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
                 for schedule in schedules:
                     if schedule != "1f1b" and p == 1:
                         continue  # one stage: every schedule is the same gradient accumulation
-                    tried = (1,)
-                    if schedule == "interleaved":
-                        per_stage = shape.num_layers // p
-                        tried = tuple(v for v in (interleavings or _divisors(per_stage)[1:])
-                                      if v > 1 and per_stage % v == 0) if m % p == 0 else ()
+                    tried = _stages_per_rank(schedule, shape.num_layers // p, p, m, interleavings)
                     for v in tried:
                         for zero in zero_stages:
-                            if zero == 3 and schedule in ("interleaved", "zb-h1"):
-                                continue
+                            if zero == 3 and schedule != "1f1b" and schedule != "gpipe":
+                                continue  # FSDP wraps one stage a rank and cannot follow W passes
                             if d * cp == 1 and zero != min(zero_stages):
                                 continue  # one replica: every ZeRO stage is the same layout
                             if zero == 2 and m > 1 and 1 in zero_stages:

@@ -39,7 +39,7 @@ from typing import Any
 from labkit.costmodel.collectives import ring_all_gather_cost, ring_all_reduce_cost, ring_reduce_scatter_cost
 from labkit.costmodel.compute import mfu, model_flops_per_step
 from labkit.costmodel.memory import num_parameters
-from labkit.costmodel.step import _TABLES, Hardware, Layout, _link, schedule_table, stage_times
+from labkit.costmodel.step import SCHEDULES, Hardware, Layout, _link, schedule_table, stage_times
 from labkit.parallel.pipeline.schedule import Action, _inputs
 
 PARTS = ("compute", "tp", "bubble", "pp send", "dp", "zero", "optimizer")
@@ -97,8 +97,8 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
     ``d``, each rank updating its shard).  Raises ``ValueError`` for degrees that do not divide (as
     :func:`~labkit.costmodel.step.stage_times`) and for an unknown schedule.
     """
-    if layout.schedule not in _TABLES:
-        raise ValueError(f"schedule must be one of {tuple(_TABLES)}, got {layout.schedule!r}")
+    if layout.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {layout.schedule!r}")
     if bucket_bytes <= 0 or optimizer_s < 0:
         raise ValueError(f"bucket_bytes must be > 0 and optimizer_s >= 0, got {bucket_bytes!r} and {optimizer_s!r}")
     d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch

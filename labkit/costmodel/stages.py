@@ -28,12 +28,15 @@ from labkit.costmodel.compute import head_flops, layer_flops, model_flops_per_st
 from labkit.costmodel.context import cp_layer_seconds
 from labkit.costmodel.experts import ep_all_to_all_s
 from labkit.costmodel.shapes import expert_parameters, layer_parameters, num_parameters
+from labkit.parallel.pipeline.catalog import V_SHAPED
+from labkit.parallel.pipeline.schedule import stage_rank
 
 
 @dataclass(frozen=True)
 class Layout:
     """A 3D configuration: ``dp x tp x pp`` ranks, ZeRO stage over dp, micro-batch size, recomputation and the
-    pipeline schedule (``virtual_stages``: the interleaved schedule's stages per rank); with ``cp > 1`` a fourth
+    pipeline schedule (``virtual_stages``: the interleaved schedules' stages per rank; ZB-V and DualPipeV hold two,
+    in a V: :meth:`rank_of`); with ``cp > 1`` a fourth
     dimension, context parallelism (``cp_strategy``: ``"ring"``, ``"all_gather"`` or ``"ulysses"``), each
     sequence split over ``cp`` ranks, whose gradients are reduced (and ZeRO's states sharded) over ``dp x cp``
     ranks, as :mod:`labkit.parallel.parallelize` builds it.  ``ep``: expert parallelism of an MoE shape, folded over
@@ -62,11 +65,20 @@ class Layout:
 
     @property
     def chunks(self) -> int:
-        """Pipeline chunks in all: ``p v`` under interleaving, else ``p``."""
-        return self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
+        """Pipeline chunks in all: ``p v`` under interleaving, ``2p`` in a V (ZB-V, DualPipeV), else ``p``."""
+        return self.pp * (self.virtual_stages if self.schedule.startswith("interleaved") else
+                          2 if self.schedule in V_SHAPED else 1)
+
+    def rank_of(self, chunk: int) -> int:
+        """The pipeline rank holding ``chunk``: ``chunk % p``, or in a V ``min(chunk, 2p - 1 - chunk)``."""
+        return stage_rank(chunk, self.pp, "v" if self.schedule in V_SHAPED else "loop")
+
+    def chunks_of(self, rank: int) -> list[int]:
+        """The chunks pipeline rank ``rank`` holds, in order."""
+        return [chunk for chunk in range(self.chunks) if self.rank_of(chunk) == rank]
 
     def label(self) -> str:
-        extra = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
+        extra = f" v={self.virtual_stages}" if self.schedule.startswith("interleaved") else ""
         context = f" cp={self.cp} ({self.cp_strategy})" if self.cp > 1 else ""
         context += f" ep={self.ep}" if self.ep > 1 else ""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp}{context} ZeRO-{self.zero} b={self.micro_batch}"
@@ -172,13 +184,13 @@ class ChunkCosts:
     ep_forward: tuple[float, ...] = ()  # expert parallelism's all-to-alls (on the critical path)
     ep_backward: tuple[float, ...] = ()
 
-    def rank_totals(self, p: int) -> list[tuple[float, float, float, float]]:
+    def rank_totals(self, layout: Layout) -> list[tuple[float, float, float, float]]:
         """Per rank: ``(compute forward, compute backward, TP forward, TP backward)`` over its chunks."""
-        totals = [[0.0] * 4 for _ in range(p)]
+        totals = [[0.0] * 4 for _ in range(layout.pp)]
         for chunk, values in enumerate(zip(self.compute_forward, self.compute_backward, self.tp_forward,
                                            self.tp_backward, strict=True)):
             for k, value in enumerate(values):
-                totals[chunk % p][k] += value
+                totals[layout.rank_of(chunk)][k] += value
         return [tuple(row) for row in totals]  # type: ignore[misc]
 
 
@@ -246,7 +258,7 @@ def rank_expert_parameters(shape: Any, layout: Layout, stage_layers: tuple[int, 
     counts = [0.0] * layout.pp
     per_layer = expert_parameters(shape) / shape.moe_layers if getattr(shape, "moe_layers", 0) else 0.0
     for chunk, n in enumerate(chunk_moe_layers(shape, layout, stage_layers)):
-        counts[chunk % layout.pp] += n * per_layer
+        counts[layout.rank_of(chunk)] += n * per_layer
     return counts
 
 
@@ -272,7 +284,7 @@ def rank_parameters(shape: Any, layout: Layout, stage_layers: tuple[int, ...] | 
     """Each pipeline rank's parameters (its chunks', :func:`chunk_parameters`)."""
     counts = [0.0] * layout.pp
     for chunk, count in enumerate(chunk_parameters(shape, layout, stage_layers)):
-        counts[chunk % layout.pp] += count
+        counts[layout.rank_of(chunk)] += count
     return counts
 
 
@@ -286,7 +298,7 @@ def stage_times(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
         raise ValueError(f"the event simulator runs dp x tp x pp layouts: {' and '.join(extra)} "
                          f"{'is' if len(extra) == 1 else 'are'} priced by predict_step")
     _check_divides(shape, layout, global_batch, None)
-    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    v = layout.chunks // layout.pp
     costs = chunk_costs(shape, layout, hardware, value_bytes, head_on_last_stage=False)
-    forward, backward, tp_forward, tp_backward = costs.rank_totals(layout.pp)[0]
+    forward, backward, tp_forward, tp_backward = costs.rank_totals(layout)[0]
     return global_batch // (layout.dp * layout.micro_batch), v, forward, backward, tp_forward, tp_backward

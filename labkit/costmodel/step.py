@@ -34,6 +34,7 @@ from labkit.costmodel.stages import (  # Layout, Hardware and stage_times are im
 )
 from labkit.costmodel.timeline import Pipeline, pipeline
 from labkit.parallel.pipeline import schedule as schedules  # pure data and arithmetic (tests/test_layout.py)
+from labkit.parallel.pipeline.catalog import SCHEDULES, SPLIT_BACKWARD
 
 __all__ = ["DataParallelStep", "Hardware", "Layout", "StepTime", "closed_form_makespan", "ddp_step_time",
            "predict_step", "schedule_table", "stage_times"]
@@ -122,19 +123,14 @@ class StepTime:
                 **({"ep": self.ep_s} if self.layout.ep > 1 else {})}
 
 
-_TABLES: dict[str, Callable[[int, int, int], schedules.Schedule]] = {
-    "gpipe": lambda p, m, v: schedules.gpipe(p, m), "1f1b": lambda p, m, v: schedules.one_f_one_b(p, m),
-    "zb-h1": lambda p, m, v: schedules.zb_h1(p, m), "interleaved": schedules.interleaved_1f1b}
-
-
 @functools.lru_cache(maxsize=64)
 def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> schedules.Schedule:
-    """The schedule's table (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved"``), built once per
+    """The schedule's table (a name of :data:`~labkit.parallel.pipeline.catalog.SCHEDULES`), built once per
     ``(p, m, v)``: the planner prices hundreds of layouts that share one, and building one of thousands of
     passes takes a while."""
-    if schedule not in _TABLES:
-        raise ValueError(f"schedule must be one of {tuple(_TABLES)}, got {schedule!r}")
-    return _TABLES[schedule](p, m, v)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
+    return SCHEDULES[schedule](p, m, v)
 
 
 def closed_form_makespan(schedule: str, p: int, m: int, forward_s: float, backward_s: float, v: int = 1) -> float:
@@ -144,10 +140,13 @@ def closed_form_makespan(schedule: str, p: int, m: int, forward_s: float, backwa
     deferred ``W``'s fill the cool-down, and each stage downstream still costs the longer of a forward and an
     input gradient (Qi et al. 2023's ``(p - 1)(F + B - 2W)`` with their ``F = B = W``; ``(p - 1) F`` while
     ``B <= 2 F``, more with recomputation).  The simulator gives exactly these (tested); with sends it can only
-    be longer, so this bounds a layout's step from below."""
+    be longer, so this bounds a layout's step from below.  The split schedules on ``v`` chunks a rank (``v = 2``
+    for ZB-V and DualPipeV) get ZB-H1's form on a chunk, ``(p - 1) max(F, B / 2) / v``: interleaved ZB's exactly,
+    ZB-V's and DualPipeV's a bound from below (their ramps hold more idle at some ratios; tested)."""
+    zb = (p - 1) * max(forward_s, backward_s / 2)
     bubble = {"gpipe": (p - 1) * (forward_s + backward_s), "1f1b": (p - 1) * (forward_s + backward_s),
-              "interleaved": (p - 1) * (forward_s + backward_s) / v,
-              "zb-h1": (p - 1) * max(forward_s, backward_s / 2)}
+              "interleaved": (p - 1) * (forward_s + backward_s) / v, "zb-h1": zb,
+              "interleaved-zb": zb / v, "zb-v": zb / 2, "dualpipev": zb / 2}
     if schedule not in bubble:
         raise ValueError(f"schedule must be one of {tuple(bubble)}, got {schedule!r}")
     return m * (forward_s + backward_s) + bubble[schedule]
@@ -248,15 +247,16 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
       forward, the weights kept until the backward, as Llama 3 runs it, Dubey et al. 2024, section 3.3.2).
     """
     d, p, b = layout.dp, layout.pp, layout.micro_batch
-    if layout.schedule not in _TABLES:
-        raise ValueError(f"schedule must be one of {tuple(_TABLES)}, got {layout.schedule!r}")
+    if layout.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {layout.schedule!r}")
     _check_divides(shape, layout, global_batch, stage_layers)
     m, v, chunks = global_batch // (d * b), layout.chunks // p, layout.chunks
     gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
     slowdown = hardware.overlap_slowdown
     costs = chunk_costs(shape, layout, hardware, value_bytes, stage_layers, head_on_last_stage)
     tp_cost, forward, backward = _passes(costs, overlap_tp and tp_in_node(hardware, layout.tp), slowdown)
-    ranks = [(sum(forward[r::p]), sum(backward[r::p])) for r in range(p)]
+    ranks = [(sum(forward[c] for c in layout.chunks_of(r)), sum(backward[c] for c in layout.chunks_of(r)))
+             for r in range(p)]
     bound = max(range(p), key=lambda r: (sum(ranks[r]), r))  # the rank with the most work a micro-batch
     # the pipeline: each rank's order placed in time, without and with its sends
     timeline: Pipeline | None = None
@@ -267,11 +267,10 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
         total = timeline.total
         without_sends = pipeline(layout.schedule, p, m, v, forward, backward).total if send else total
     own = m * sum(ranks[bound])
-    tp_s = m * (sum(tp_cost[c] for c in range(bound, chunks, p)) + sum(tp_cost[chunks + c]
-                                                                           for c in range(bound, chunks, p)))
-    cp_s = m * sum(costs.cp_forward[c] + costs.cp_backward[c] for c in range(bound, chunks, p)) \
-        if costs.cp_forward else 0.0
-    ep_s = m * sum(costs.ep_forward[c] + costs.ep_backward[c] for c in range(bound, chunks, p))
+    mine = layout.chunks_of(bound)
+    tp_s = m * (sum(tp_cost[c] for c in mine) + sum(tp_cost[chunks + c] for c in mine))
+    cp_s = m * sum(costs.cp_forward[c] + costs.cp_backward[c] for c in mine) if costs.cp_forward else 0.0
+    ep_s = m * sum(costs.ep_forward[c] + costs.ep_backward[c] for c in mine)
     compute_s = own - tp_s - cp_s - ep_s
     dp_s = zero_s = 0.0
     if layout.replicas > 1:
@@ -295,7 +294,8 @@ def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
     costs = chunk_costs(shape, layout, hardware, value_bytes)
     chunks = layout.chunks
     _, forward, backward = _passes(costs, overlap_tp and tp_in_node(hardware, layout.tp), hardware.overlap_slowdown)
-    ranks = [(sum(forward[r::p]), sum(backward[r::p])) for r in range(p)]
+    ranks = [(sum(forward[c] for c in layout.chunks_of(r)), sum(backward[c] for c in layout.chunks_of(r)))
+             for r in range(p)]
     bound = m * sum(ranks[0])
     if p > 1:
         send = send_time(shape, layout, hardware, value_bytes, sequence_parallel)
@@ -303,7 +303,7 @@ def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
         for rank in range(p):  # chunk `rank` is each rank's first: micro-batch 0 reaches it through 0..rank-1
             bound = max(bound, fill + m * sum(ranks[rank]) + back)
             fill += forward[rank] + send
-            back += 0.0 if layout.schedule == "zb-h1" else backward[rank] + send
+            back += 0.0 if layout.schedule in SPLIT_BACKWARD else backward[rank] + send
         bound = max(bound, closed_form_makespan(layout.schedule, p, m, *min(ranks, key=sum), chunks // p))
     if layout.replicas > 1:
         gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
@@ -312,13 +312,13 @@ def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
     return bound
 
 
-def _last_gradients(timeline: Pipeline | None, rank: int, p: int, chunks: int, total: float,
+def _last_gradients(timeline: Pipeline | None, rank: int, layout: Layout, total: float,
                     backward: list[float]) -> dict[int, tuple[float, float]]:
     """``chunk -> (start, end)`` of the pass that completes each of ``rank``'s chunks' gradients (its last B, or
     W where the backward is split)."""
     if timeline is None:  # one stage: its last backward closes the step
         return {0: (total - backward[0], total)}
-    return {chunk: timeline.last_gradient[chunk] for chunk in range(rank, chunks, p)}
+    return {chunk: timeline.last_gradient[chunk] for chunk in layout.chunks_of(rank)}
 
 
 def _data_parallel(shape: Any, layout: Layout, hardware: Hardware, m: int, forward: list[float],
@@ -358,7 +358,7 @@ def _data_parallel(shape: Any, layout: Layout, hardware: Hardware, m: int, forwa
     dp_worst = zero_worst = 0.0
     dp_floors, zero_floors, sents = [], [], []
     for rank in range(p):
-        own = list(range(rank, chunks, p))
+        own = layout.chunks_of(rank)
         elements = sum(parameters[c] for c in own)
         # the gradients' reduction
         if bucket is None:  # the ideal stream, beside the rank's last (whole) backward
@@ -374,7 +374,7 @@ def _data_parallel(shape: Any, layout: Layout, hardware: Hardware, m: int, forwa
             dp_floors.append(least + slowdown * (sent - least))
             if floor:
                 continue
-            closing = _last_gradients(timeline, rank, p, chunks, total, backward)
+            closing = _last_gradients(timeline, rank, layout, total, backward)
             ready = []
             for count, _, chunk in ones:
                 start, end = closing[chunk]

@@ -17,9 +17,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from labkit.parallel.pipeline.schedule import Action, _one_f_one_b_order
+from labkit.parallel.pipeline import catalog
+from labkit.parallel.pipeline.schedule import Action, _one_f_one_b_order, stage_rank
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+SCHEDULES = tuple(catalog.SCHEDULES)
+_HAND_WRITTEN = ("gpipe", "1f1b", "zb-h1", "interleaved")  # the others: read off the catalog's table
 
 
 def orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
@@ -29,6 +31,8 @@ def orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     ``p`` micro-batches)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule not in _HAND_WRITTEN:
+        return catalog.SCHEDULES[schedule](p, m, v).orders()
     if schedule == "gpipe":
         return [[Action(r, "F", mb) for mb in range(m)] + [Action(r, "B", mb) for mb in range(m)] for r in range(p)]
     if schedule in ("1f1b", "zb-h1"):
@@ -75,7 +79,10 @@ _KINDS = "FBIW"
 
 def _integer_orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[int, int, int]]]:
     """:func:`orders` as ``(chunk, kind, micro-batch)`` integers (kind: 0 F, 1 B, 2 I, 3 W), without building an
-    :class:`~labkit.parallel.pipeline.schedule.Action` per pass (the same orders: tests compare them)."""
+    :class:`~labkit.parallel.pipeline.schedule.Action` per pass (the same orders: tests compare them); the
+    schedules of :mod:`~labkit.parallel.pipeline.zero_bubble` are read off their tables."""
+    if schedule not in _HAND_WRITTEN:
+        return [[(a.stage, _KINDS.index(a.kind), a.microbatch) for a in order] for order in orders(schedule, p, m, v)]
     if schedule == "gpipe":
         return [[(r, 0, mb) for mb in range(m)] + [(r, 1, mb) for mb in range(m)] for r in range(p)]
     if schedule in ("1f1b", "zb-h1"):
@@ -117,9 +124,10 @@ def compile_schedule(schedule: str, p: int, m: int, v: int = 1) -> Compiled:
         raise ValueError(f"interleaved 1F1B runs micro-batches in groups of p, so m must be a multiple of p: "
                          f"got m={m}, p={p}")
     ranked = _integer_orders(schedule, p, m, v)
-    stages = p * (v if schedule == "interleaved" else 1)
-    split = schedule == "zb-h1"
-    upstream = 2 if split else 1  # the backward a B or I waits for, on the next chunk
+    stages = p * catalog.stages_per_rank(schedule, v)
+    owner = [stage_rank(c, p, "v" if schedule in catalog.V_SHAPED else "loop") for c in range(stages)]
+    pairs = {(f.stage, f.microbatch): (b.stage, b.microbatch)  # DualPipeV's F&B: F waits for B's input too
+             for f, b in (catalog.SCHEDULES[schedule](p, m, v).pairs if schedule == "dualpipev" else ())}
     slot = [-1] * (stages * 4 * m)  # (chunk, kind, micro-batch) -> id
     kinds, chunks, micros, first = [], [], [], []
     for order in ranked:
@@ -131,16 +139,24 @@ def compile_schedule(schedule: str, p: int, m: int, v: int = 1) -> Compiled:
             micros.append(mb)
     none = len(kinds)
     need1, cross1, need2, cross2 = [none] * none, [False] * none, [none] * none, [False] * none
+
+    def upstream(c: int, mb: int) -> tuple[int, bool]:  # the next chunk's backward (B, or I when split)
+        found = slot[((c + 1) * 4 + 1) * m + mb]
+        return (found if found >= 0 else slot[((c + 1) * 4 + 2) * m + mb]), owner[c + 1] != owner[c]
+
     for i, (c, k, mb) in enumerate(zip(chunks, kinds, micros, strict=True)):
         if k == 0:
             if c > 0:
-                need1[i], cross1[i] = slot[((c - 1) * 4) * m + mb], (c - 1) % p != c % p
+                need1[i], cross1[i] = slot[((c - 1) * 4) * m + mb], owner[c - 1] != owner[c]
+            paired = pairs.get((c, mb))
+            if paired is not None and paired[0] + 1 < stages:
+                need2[i], cross2[i] = upstream(*paired)
         elif k == 3:
             need1[i] = slot[(c * 4 + 2) * m + mb]
         else:
             need1[i] = slot[(c * 4) * m + mb]
             if c + 1 < stages:
-                need2[i], cross2[i] = slot[((c + 1) * 4 + upstream) * m + mb], (c + 1) % p != c % p
+                need2[i], cross2[i] = upstream(c, mb)
     if min(need1) < 0 or min(need2) < 0:
         raise ValueError(f"{schedule} (p={p}, m={m}, v={v}): an input is never run")
     # a topological order: each rank runs its order while its next pass's inputs are placed
@@ -162,8 +178,8 @@ def compile_schedule(schedule: str, p: int, m: int, v: int = 1) -> Compiled:
             raise ValueError(f"{schedule} (p={p}, m={m}, v={v}): the ranks' orders deadlock")
     last = [-1] * stages
     for i, k in enumerate(kinds):
-        if k == (3 if split else 1):
-            last[chunks[i]] = i  # each rank's order visits its passes in time order
+        if k in (1, 3):
+            last[chunks[i]] = i  # each rank's order visits its passes in time order: the last B or W
     return Compiled(p, tuple(_KINDS[k] for k in kinds), tuple(chunks), tuple(steps), tuple(last), tuple(first))
 
 

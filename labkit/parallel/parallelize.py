@@ -15,7 +15,8 @@ The three are applied in the order torchtitan applies them, each inside the grou
    ZeRO-1 or ZeRO-2 around this rank's stages, or FSDP (``zero=3``) around its one stage, over the dp group,
    or with cp the ``dp x cp`` group (``Mesh.group("dp_cp")``: the cp ranks of a sequence hold the same weights).
 
-One training step is a pipeline schedule (GPipe, 1F1B, interleaved 1F1B or ZB-H1) over ``m`` micro-batches of
+One training step is a pipeline schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, interleaved ZB, ZB-V or DualPipeV:
+:data:`~labkit.parallel.pipeline.catalog.SCHEDULES`) over ``m`` micro-batches of
 the data-parallel rank's batch, run by :func:`~labkit.parallel.pipeline.run_schedule`.  Every wrapper runs with
 gradient sync off during the schedule, so that the ``m`` backward passes only accumulate; then the data-parallel
 reduction runs **once per step**, not once per micro-batch (``reduce_gradients()``: DDP's all-reduce, ZeRO-2's
@@ -46,7 +47,7 @@ one process, or into another layout.
 size, ``t`` that does not divide the heads and the hidden size, ``p v`` stages that do not divide the layers,
 a batch that the micro-batches do not divide, a schedule that does not fit ``p`` and ``m``, tied embeddings
 with more than one stage, and FSDP with a schedule it cannot run: interleaving (FSDP here wraps one stage per
-rank) and ZB-H1 (its ``W`` passes bypass FSDP's per-unit backward hooks).  ZeRO-1/2 shard one optimizer over
+rank) and the split schedules (their ``W`` passes bypass FSDP's per-unit backward hooks).  ZeRO-1/2 shard one optimizer over
 all of this rank's stages, so they run with every schedule.
 """
 
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,6 +76,7 @@ from labkit.parallel.experts.layer import is_expert_parallel
 from labkit.parallel.experts.model import ExpertsIn3D, balance_experts, check_expert_layout
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.pipeline import schedule as schedules
+from labkit.parallel.pipeline.catalog import SCHEDULES, SPLIT_BACKWARD, stages_per_rank
 from labkit.parallel.pipeline.runtime import run_schedule
 from labkit.parallel.pipeline.simulate import Timeline
 from labkit.parallel.pipeline.stage import PipelineStage, split_stages
@@ -83,12 +84,6 @@ from labkit.parallel.step_parts import PARTS, step_breakdown  # noqa: F401 (less
 from labkit.parallel.tensor.transformer import TensorParallel, check_tensor_parallel_sizes
 from labkit.parallel.zero import ZeroDataParallel
 
-SCHEDULES: dict[str, Callable[..., schedules.Schedule]] = {
-    "gpipe": lambda p, m, v: schedules.gpipe(p, m),
-    "1f1b": lambda p, m, v: schedules.one_f_one_b(p, m),
-    "interleaved": lambda p, m, v: schedules.interleaved_1f1b(p, m, v),
-    "zb-h1": lambda p, m, v: schedules.zb_h1(p, m),
-}
 ZERO_STAGES = (0, 1, 2, 3)
 DP_WRAPPERS = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
 
@@ -101,7 +96,7 @@ def check_3d(config: GPTConfig, dp: int, tp: int, pp: int, *, zero: int = 0, sch
     schedule.
 
     ``batch_size`` is one data-parallel replica's batch (cut into ``microbatches``); ``virtual_stages`` (``v``)
-    is the number of stages per pp-rank, used by ``"interleaved"`` only.  Raises ``ValueError`` naming the value.
+    is the number of stages per pp-rank, used by ``"interleaved"`` and ``"interleaved-zb"`` only.  Raises ``ValueError`` naming the value.
     """
     degrees = _check_degrees(dp, tp, pp, cp)
     if world_size is not None and dp * cp * tp * pp != world_size:
@@ -111,25 +106,21 @@ def check_3d(config: GPTConfig, dp: int, tp: int, pp: int, *, zero: int = 0, sch
                          f"but there are {world_size} (choose degrees whose product is {world_size})")
     check_context_parallel(config, cp, tp, cp_strategy, cp_layout, seq_len)
     check_expert_layout(config, ep, dp, cp, zero)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of {ZERO_STAGES} (0: DDP, 1/2: ZeRO-1/2, 3: FSDP), got {zero!r}")
     for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    v = virtual_stages if schedule == "interleaved" else 1
-    if schedule == "interleaved" and v < 2:
-        raise ValueError(f"the interleaved schedule needs virtual_stages >= 2 stages per rank, got {v}")
+    v = stages_per_rank(schedule, virtual_stages)
     check_tensor_parallel_sizes(config.n_embd, config.n_head, degrees["tp"])
     split_stages(config, pp * v)  # raises when p v stages do not divide n_layer
     if pp * v > 1 and config.tie_weights:
         raise ValueError(f"{pp * v} pipeline stages put the embedding and the head on different ranks, so they "
                          "cannot share one weight: use a config with tie_weights=False")
-    if zero == 3 and (schedule == "zb-h1" or v > 1):
+    if zero == 3 and (schedule in SPLIT_BACKWARD or v > 1):
         raise ValueError(f"FSDP (zero=3) cannot run the {schedule} schedule here: "
                          + ("its W passes compute weight gradients outside the backward pass that FSDP's "
-                            "per-unit hooks re-gather and reduce" if schedule == "zb-h1" else
+                            "per-unit hooks re-gather and reduce" if schedule in SPLIT_BACKWARD else
                             "FSDP wraps one stage per rank, and interleaving puts several on each")
                          + "; use gpipe or 1f1b with FSDP, or ZeRO-1/2 (zero=1 or 2) with this schedule")
     if batch_size is not None and (batch_size < 1 or batch_size % microbatches):
@@ -168,7 +159,7 @@ class Parallel3D(ParallelWrapper):
                         virtual_stages=virtual_stages, batch_size=micro_batch_size * microbatches, seq_len=seq_len,
                         world_size=dist.get_world_size(), cp=mesh.cp, cp_strategy=cp_strategy,
                         cp_layout=cp_layout, ep=mesh.ep)
-        stage_indices = list(range(mesh.rank("pp"), plan.stages, mesh.pp))
+        stage_indices = plan.stages_of(mesh.rank("pp"))
         # 1. the pipeline's cut, 2. tensor parallelism inside each stage, 3. context parallelism of attention
         tensor_parallel = [TensorParallel(_stage_module(model, s, plan.stages), mesh.group("tp"), seed=seed)
                            for s in stage_indices]
@@ -194,7 +185,8 @@ class Parallel3D(ParallelWrapper):
             self.data_parallel = wrapper(self.module, bucket_cap_mb=bucket_cap_mb, group=dp_group, **options)
             runs = self.tensor_parallel
         self.stages = [PipelineStage(run, s, self.schedule.stages, mesh, micro_batch_size=micro_batch_size,
-                                     seq_len=local_len, num_microbatches=self.schedule.m, hidden_size=config.n_embd)
+                                     seq_len=local_len, num_microbatches=self.schedule.m, hidden_size=config.n_embd,
+                                     placement=plan.placement)
                        for run, s in zip(runs, self.stage_indices, strict=True)]
         self.split = {name: spec for tp in self.tensor_parallel for name, spec in tp.split_parameters().items()}
         self.expert_names = {threed_state.plain_name(name) for name, p in self.module.named_parameters()
@@ -262,13 +254,15 @@ class Parallel3D(ParallelWrapper):
             loss *= weight / self.mesh.cp
             dist.all_reduce(loss, group=self.mesh.group("cp"))
         if self.mesh.pp > 1:
-            dist.broadcast(loss, src=global_rank(pp, self.mesh.pp - 1), group=pp)
+            last = self.schedule.rank_of(self.schedule.stages - 1)  # pp - 1, or 0 in a V
+            dist.broadcast(loss, src=global_rank(pp, last), group=pp)
         return loss
 
     def _count_p2p(self) -> None:
         """The pipeline's point-to-point bytes of the step just run, sent by this rank."""
         one = math.prod(self.stages[0].activation_shape) * self.stages[0].dtype.itemsize
-        sends = sum((not stage.is_last) + (not stage.is_first) for stage in self.stages)
+        me = dist.get_rank()  # in a V, rank p - 1 hands stage p - 1's output to stage p without a message
+        sends = sum((stage.next_rank not in (None, me)) + (stage.prev_rank not in (None, me)) for stage in self.stages)
         self._p2p = Counter({"pp send": one * self.schedule.m * sends} if sends else {})
 
     # -- the contract ----------------------------------------------------------------------------------------
@@ -410,7 +404,7 @@ def parallelize(model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1
     ZeRO-1/2 or FSDP (``zero=3``) over dp; see the module docstring.  A collective: every rank calls it with
     the same model (the same weights) and arguments.  ``schedule``: one of :data:`SCHEDULES`, over
     ``microbatches`` micro-batches of ``micro_batch_size`` sequences of ``seq_len`` tokens; ``virtual_stages``:
-    stages per rank of the interleaved schedule.  ``seed``: tensor parallelism's dropout generator (see
+    stages per rank of the interleaved schedules (ZB-V and DualPipeV hold two, in a V).  ``seed``: tensor parallelism's dropout generator (see
     :func:`~labkit.parallel.tensor.parallelize_tensor`).  ``overlap_dp``: with one stage per rank and no split
     backward, start the data-parallel reduction during the last backward instead of after the schedule."""
     return Parallel3D(model, mesh, zero=zero, schedule=schedule, microbatches=microbatches,

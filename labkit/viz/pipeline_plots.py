@@ -32,7 +32,8 @@ CHUNK_HATCHES = ("", "//", "..", "xx")  # chunk c of an interleaved rank: lighte
 IDLE_COLOR, IDLE_EDGE = "#F0F0F0", "#B8B8B8"
 TIME_UNITS = {None: (1.0, "time (units)"), "s": (1e3, "time (ms)"), "ms": (1.0, "time (ms)")}
 SCHEDULE_STYLES = {"GPipe": ("#0072B2", "s"), "1F1B": ("#E69F00", "o"), "Interleaved 1F1B": ("#009E73", "^"),
-                   "ZB-H1": ("#CC79A7", "D")}
+                   "ZB-H1": ("#CC79A7", "D"), "Interleaved ZB": ("#56B4E9", "v"), "ZB-V": ("#D55E00", "P"),
+                   "DualPipeV": ("#000000", "X")}
 OTHER_STYLES = [("#56B4E9", "v"), ("#D55E00", "P"), ("#000000", "X"), ("#F0E442", "*")]
 ROW_HEIGHT = 0.8
 TICK_POINTS = 8.0  # the rank labels' font size
@@ -70,6 +71,13 @@ def model_peak_activations(name: str, p: int, m: int, v: int = 1) -> tuple[list[
     if name == "Interleaved 1F1B":
         return ([min((v - 1) * p + 2 * (p - 1 - r) + 1, m * v) / v for r in range(p)],
                 "model: ((v−1)p + 2(p−1−r) + 1) / v")
+    if name == "Interleaved ZB":
+        rounds = m // max(1, m // p)
+        return [min((v - 1) * rounds + p - r, m * v) / v for r in range(p)], "model: ((v−1)g + p − r) / v"
+    if name == "ZB-V":
+        return [min(2 * p, m + r + 1, 2 * m) / 2 for r in range(p)], "model: p (Qi et al.: 1F1B's)"
+    if name == "DualPipeV":
+        return [p + 0.5] * p, "model: (PP + 1) / 2 (DeepSeek)"
     return None
 
 
@@ -161,9 +169,16 @@ def _draw_timeline(axis: Axes, timeline: Timeline, title: str | None, time_unit:
             axis.broken_barh(spans, (y - ROW_HEIGHT / 2, ROW_HEIGHT), facecolor=fill, edgecolor="black",
                              linewidth=0.4, hatch=CHUNK_HATCHES[chunk % len(CHUNK_HATCHES)],
                              hatchcolor=_hatch_color(fill), hatch_linewidth=0.5, zorder=2, gid=f"{kind} chunk {chunk}")
+    ends = {action: (start, end) for row in timeline.events for start, end, action in row}
+    for forward, backward in schedule.pairs:  # DualPipeV's overlapped F&B: one frame around the two
+        start, end = ends[forward][0], ends[backward][1]
+        y = p - 1 - schedule.rank_of(forward.stage)
+        axis.add_patch(matplotlib_patches.Rectangle((start * scale, y - 0.5), (end - start) * scale, 1.0, fill=False,
+                                                    edgecolor="black", linewidth=1.6, zorder=3, gid="pair"))
     axis.set_xlim(span[0] * scale, span[1] * scale)
     axis.set_ylim(-0.6, p - 0.4)
-    _rank_ticks(axis, p, v, two_lines=True, ranks=ranks)
+    v_shaped = schedule.placement == "v"
+    _rank_ticks(axis, p, v, two_lines=True, ranks=ranks, v_shaped=v_shaped)
     axis.set_xlabel(xlabel)
     axis.set_title(f"{title or schedule.name}: p = {p}, m = {schedule.m}, v = {v}; "
                    f"bubble {100 * float(timeline.bubble_fraction):.1f}% of rank-time", fontsize=10)
@@ -173,6 +188,9 @@ def _draw_timeline(axis: Axes, timeline: Timeline, title: str | None, time_unit:
                                          hatch=CHUNK_HATCHES[chunk % len(CHUNK_HATCHES)],
                                          label=f"chunk {chunk}: stages {chunk * p}–{chunk * p + p - 1}")
                 for chunk in range(v if v > 1 else 0)]
+    if schedule.pairs:
+        handles.append(matplotlib_patches.Patch(fill=False, edgecolor="black", linewidth=1.6,
+                                                label="F&B: a pair (framed)"))
     handles.append(matplotlib_patches.Patch(facecolor=IDLE_COLOR, edgecolor=IDLE_EDGE, hatch="////",
                                             label="idle (bubble)"))
     if legend:
@@ -180,20 +198,25 @@ def _draw_timeline(axis: Axes, timeline: Timeline, title: str | None, time_unit:
                     "micro-batch", title_fontsize=8)
     if tight:
         axis.figure.tight_layout()
-    if not _rank_ticks(axis, p, v, two_lines=True, ranks=ranks):  # too tight for the stages under each rank
-        _rank_ticks(axis, p, v, two_lines=False, ranks=ranks)
+    if not _rank_ticks(axis, p, v, two_lines=True, ranks=ranks, v_shaped=v_shaped):  # too tight for the stages
+        _rank_ticks(axis, p, v, two_lines=False, ranks=ranks, v_shaped=v_shaped)
         if tight:
             axis.figure.tight_layout()
     _fit_labels(axis, labels)
     return handles
 
 
-def _rank_ticks(axis: Axes, p: int, v: int, two_lines: bool, ranks: Sequence[int] | None = None) -> bool:
+def _rank_ticks(axis: Axes, p: int, v: int, two_lines: bool, ranks: Sequence[int] | None = None,
+                v_shaped: bool = False) -> bool:
     """Label each row with its rank, and under it the rank's stages when ``two_lines`` (on one line, the font
     shrinks to the pitch; the legend still names each chunk's stages); return whether two lines fit the rows'
     pitch at the axes' present size (2.8 times the font size)."""
     pitch = axis.get_position().height * axis.figure.get_figheight() * 72 / p  # points per rank
-    stages = (lambda r: f"stage {r}") if v == 1 else (lambda r: f"stages {r}, {r + p}" + (", …" if v > 2 else ""))
+    def stages(r: int) -> str:
+        if v_shaped:
+            return f"stages {r}, {2 * p - 1 - r}"
+        return f"stage {r}" if v == 1 else f"stages {r}, {r + p}" + (", …" if v > 2 else "")
+
     texts = [f"rank {rank if ranks is None else ranks[rank]}" + (f"\n{stages(rank)}" if two_lines else "")
              for rank in reversed(range(p))]
     axis.set_yticks(range(p), texts, fontsize=TICK_POINTS if two_lines else min(TICK_POINTS, pitch / 1.4))

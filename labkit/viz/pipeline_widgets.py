@@ -22,9 +22,17 @@ SCHEDULES: dict[str, Callable[[int, int, int], pipeline.Schedule]] = {
     "1F1B": lambda p, m, v: pipeline.one_f_one_b(p, m),
     "Interleaved 1F1B": pipeline.interleaved_1f1b,
     "ZB-H1": lambda p, m, v: pipeline.zb_h1(p, m),
+    "Interleaved ZB": pipeline.interleaved_zb,
+    "ZB-V": lambda p, m, v: pipeline.zb_v(p, m),
+    "DualPipeV": lambda p, m, v: pipeline.dualpipe_v(p, m),
 }
 CLOSED_FORMS = {"GPipe": "(p−1)/(m+p−1)", "1F1B": "(p−1)/(m+p−1)", "Interleaved 1F1B": "(p−1)/(v·m+p−1)",
-                "ZB-H1": "(p−1)/(3m+p−1), exact when F = I = W"}
+                "ZB-H1": "(p−1)/(3m+p−1), exact when F = I = W",
+                "Interleaved ZB": "(p−1)/(3vm+p−1), exact when F = I = W",
+                "ZB-V": "(p−1)/(6m+p−1), exact when F = I = W and m ≥ 2p−1",
+                "DualPipeV": "(p−1)/(3m+p−1), exact when F = I = W and F&B = F + B"}
+SPLIT = ("ZB-H1", "Interleaved ZB", "ZB-V", "DualPipeV")  # W is read by these
+_PER_MICRO_BATCH = {"GPipe": 1, "1F1B": 1, "ZB-H1": 3, "ZB-V": 6, "DualPipeV": 3}  # k in (p-1)/(k m + p-1)
 
 
 @functools.lru_cache(maxsize=512)
@@ -34,15 +42,16 @@ def _schedule(name: str, p: int, m: int, v: int) -> pipeline.Schedule:
 
 
 def simulate_schedule(name: str, p: int, m: int, v: int, forward_ms: float, backward_ms: float,
-                      weight_ms: float) -> pipeline.Timeline:
+                      weight_ms: float, overlap: float = 0.0) -> pipeline.Timeline:
     """Build schedule ``name`` and simulate it with the explorer's conventions: the durations are one rank's
-    whole share of layers (an interleaved chunk takes ``1/v`` of them, so that ``v`` changes the schedule, not
-    the model); ``v`` is read by interleaved 1F1B only and ``weight_ms`` (W, with I = B - W) by ZB-H1 only.
-    Raises the library's ValueError for an invalid combination."""
+    whole share of layers (a chunk takes ``1/v`` of them, half in a V, so that ``v`` changes the schedule, not
+    the model); ``v`` is read by the interleaved schedules only, ``weight_ms`` (W, with I = B - W) by the split
+    ones and ``overlap`` (the share of an F&B pair's shorter pass hidden) by DualPipeV.  Raises the library's
+    ValueError for an invalid combination."""
     schedule = _schedule(name, p, m, v)
     chunks = schedule.v
     return pipeline.simulate(schedule, forward_ms / chunks, backward_ms / chunks,
-                             weight_ms if name == "ZB-H1" else None)
+                             weight_ms / chunks if name in SPLIT else None, overlap=overlap)
 
 
 MAX_P, MAX_M = 8, 32
@@ -60,56 +69,70 @@ def widen_sliders(controls) -> None:
 
 
 def _closed_form(name: str, p: int, m: int, v: int) -> float:
-    return pipeline_plots.closed_form_bubble(p, m, {"Interleaved 1F1B": v, "ZB-H1": 3}.get(name, 1))
+    k = {"Interleaved 1F1B": v, "Interleaved ZB": 3 * v}.get(name) or _PER_MICRO_BATCH[name]
+    return pipeline_plots.closed_form_bubble(p, m, k)
 
 
-def explore(name: str, p: int, m: int, v: int, forward_ms: float, backward_ms: float, weight_ms: float
-            ) -> tuple[Figure, str]:
+def _runs(name: str, p: int, m: int, v: int) -> bool:
+    """Whether the explorer draws ``name`` at ``m`` (the others are named in the legend's notes)."""
+    return not ((name == "Interleaved 1F1B" and m % p) or (name == "DualPipeV" and m < 2 * p)
+                or (name == "Interleaved ZB" and m % max(1, m // p)))
+
+
+def explore(name: str, p: int, m: int, v: int, forward_ms: float, backward_ms: float, weight_ms: float,
+            overlap: float = 0.0) -> tuple[Figure, str]:
     """What :func:`pipeline_explorer` shows for its controls' values: the figure and the summary (HTML)."""
     ms = sorted({2**k for k in range(6)} | {p * 2**k for k in range(3) if p * 2**k <= MAX_M} | {m})
-    durations = (forward_ms, backward_ms, weight_ms)
+    durations = (forward_ms, backward_ms, weight_ms, overlap)
     weight_too_long = weight_ms > backward_ms
     rows = [simulate_schedule(other, p, count, v, *durations) for other in SCHEDULES for count in ms
-            if not (other == "ZB-H1" and weight_too_long) and not (other == "Interleaved 1F1B" and count % p)]
-    notes = {"Interleaved 1F1B": f"only where p = {p} divides m"}  # labkit's (Megatron's original) order
+            if not (other in SPLIT and weight_too_long) and _runs(other, p, count, v)]
+    notes = {"Interleaved 1F1B": f"only where p = {p} divides m", "DualPipeV": f"only m ≥ 2p = {2 * p}",
+             "Interleaved ZB": "only where its rounds divide m"}
     if weight_too_long:  # nothing to draw, said in the legend: a missing series reads as a forgotten one
-        notes["ZB-H1"] = "none: W > B"
+        notes |= {other: "none: W > B" for other in SPLIT}
     timeline, error = None, None
-    if name == "ZB-H1" and weight_too_long:
-        error = (f"ZB-H1 splits each backward B into I = B − W and W, so W = {weight_ms:g} ms cannot exceed "
+    if name in SPLIT and weight_too_long:
+        error = (f"{name} splits each backward B into I = B − W and W, so W = {weight_ms:g} ms cannot exceed "
                  f"B = {backward_ms:g} ms: lower W or raise B")
     else:
         try:
             timeline = simulate_schedule(name, p, m, v, *durations)
         except ValueError as invalid:
             error = str(invalid)
-    shown_v = f", v = {v}" if name == "Interleaved 1F1B" else ""
+    shown_v = f", v = {v}" if name.startswith("Interleaved") else ""
     if timeline is None:
         summary = f"<small><b>{name}, p = {p}, m = {m}{shown_v} cannot run</b>: {error}</small>"
     else:
         peaks = pipeline_plots.peak_per_rank(timeline)
+        chunk = timeline.schedule.v
+        pair = None if name != "DualPipeV" else (forward_ms + backward_ms - overlap * min(forward_ms, backward_ms)) / 2
+        paper = pipeline.closed_form_idle(name, p, forward_ms / chunk, backward_ms / chunk,
+                                          weight_ms / chunk if name in SPLIT else None, pair)
         summary = (f"<small>{name}, p = {p}, m = {m}{shown_v}: bubble {timeline.bubble_fraction:.1%} of rank-time "
-                   f"simulated; closed form {CLOSED_FORMS[name]} = {_closed_form(name, p, m, v):.1%}; step "
-                   f"{timeline.total:.3g} ms; at most {max(peaks):g} micro-batch{'' if max(peaks) == 1 else 'es'} of "
-                   f"activations held (rank {peaks.index(max(peaks))}).  v is read by interleaved 1F1B only, W by ZB-H1 only "
-                   "(I = B − W).</small>")
-    caption = (f"F = {forward_ms:g} ms, B = {backward_ms:g} ms per rank's layers; W = {weight_ms:g} ms (ZB-H1's "
-               f"share of B); v = {v} (interleaved).  Markers: each schedule simulated with these durations")
+                   f"simulated; closed form {CLOSED_FORMS[name]} = {_closed_form(name, p, m, v):.1%}.  Idle per "
+                   f"rank {timeline.idle / p:.3g} ms simulated, {paper:.3g} ms by the paper's form (F, B, W apart); "
+                   f"step {timeline.total:.3g} ms; at most {max(peaks):g} micro-batch{'' if max(peaks) == 1 else 'es'} "
+                   f"of the rank's layers' activations held (rank {peaks.index(max(peaks))}).  v is read by the "
+                   "interleaved schedules, W by the split ones (I = B − W), the overlap by DualPipeV.</small>")
+    caption = (f"F = {forward_ms:g}, B = {backward_ms:g}, W = {weight_ms:g} ms per rank's layers (W: the split "
+               f"schedules' share of B); v = {v}; F&B overlap {overlap:g}.  Markers: simulated with these durations")
     figure = pipeline_plots.plot_pipeline_overview(timeline, rows, ms, p, v, m=m, time_unit="ms", error=error,
                                                    caption=caption, notes=notes)
     return figure, summary
 
 
 def pipeline_explorer(schedule: str = "1F1B", p: int = 4, m: int = 8, v: int = 2, forward_ms: float = 1.0,
-                      backward_ms: float = 2.0, weight_ms: float = 1.0) -> widgets.VBox:
-    """Pipeline schedules on ``p`` ranks (lesson 07): schedule, p, m, v, and the forward, backward and weight-
-    gradient durations -> the chosen schedule's simulated timeline; the bubble against ``m`` of all four
-    schedules simulated with the same durations, beside the closed forms (the chosen ``m`` dotted); and the
-    peak activations per rank beside their model.  ``v`` is used by interleaved 1F1B (its timeline, its markers
-    and the dashed closed form), W by ZB-H1 (its timeline and markers).  An invalid combination shows why in
-    the figure: interleaved with ``m`` not a multiple of ``p`` (the library's message: labkit keeps Megatron's
-    original order), W longer than B (ZB-H1's I would take B − W < 0).  The bubble panel's legend says which
-    markers are missing and why (interleaved off the multiples of ``p``; ZB-H1 when W > B)."""
+                      backward_ms: float = 2.0, weight_ms: float = 1.0, overlap: float = 0.0) -> widgets.VBox:
+    """Pipeline schedules on ``p`` ranks (lesson 07): schedule, p, m, v, the forward, backward and weight-
+    gradient durations and DualPipeV's F&B overlap -> the chosen schedule's simulated timeline; the bubble
+    against ``m`` of all seven schedules simulated with the same durations, beside the closed forms (the chosen
+    ``m`` dotted); and the peak activations per rank beside their model.  ``v`` is used by the interleaved
+    schedules (their timelines, markers and the dashed closed form), W by the split ones (ZB-H1, interleaved ZB,
+    ZB-V, DualPipeV), the overlap by DualPipeV.  An invalid combination shows why in the figure: interleaved
+    1F1B with ``m`` not a multiple of ``p`` (the library's message: labkit keeps Megatron's original order),
+    DualPipeV with ``m < 2p``, W longer than B (I would take B − W < 0).  The bubble panel's legend says which
+    markers are missing and why."""
     schedule_choice = widgets.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
     rank_slider = widgets.IntSlider(value=p, min=2, max=MAX_P, description="ranks p")
     micro_slider = widgets.IntSlider(value=m, min=1, max=MAX_M, description="micro-batches m")
@@ -117,18 +140,19 @@ def pipeline_explorer(schedule: str = "1F1B", p: int = 4, m: int = 8, v: int = 2
     forward_slider = widgets.FloatSlider(value=forward_ms, min=0.25, max=4.0, step=0.25, description="forward F (ms)")
     backward_slider = widgets.FloatSlider(value=backward_ms, min=0.25, max=8.0, step=0.25,
                                           description="backward B (ms)")
-    weight_slider = widgets.FloatSlider(value=weight_ms, min=0.0, max=4.0, step=0.25, description="ZB-H1's W (ms)")
+    weight_slider = widgets.FloatSlider(value=weight_ms, min=0.0, max=4.0, step=0.25, description="split: W (ms)")
+    overlap_slider = widgets.FloatSlider(value=overlap, min=0.0, max=1.0, step=0.25, description="DualPipeV: overlap")
     picture = widgets.Image(format="png")
     summary = widgets.HTML()
 
     def redraw() -> None:
         figure, summary.value = explore(schedule_choice.value, rank_slider.value, micro_slider.value,
                                         chunk_slider.value, forward_slider.value, backward_slider.value,
-                                        weight_slider.value)
+                                        weight_slider.value, overlap_slider.value)
         picture.value = plots.figure_to_png(figure)
 
     controls = (schedule_choice, rank_slider, micro_slider, chunk_slider, forward_slider, backward_slider,
-                weight_slider)
+                weight_slider, overlap_slider)
     connect(controls, redraw)
     widen_sliders(controls)
     return widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:4])), widgets.VBox(list(controls[4:]))],

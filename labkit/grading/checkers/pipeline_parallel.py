@@ -53,7 +53,7 @@ FORWARD_S, BACKWARD_S = 1, 2
 _SCHEDULE = "labkit.parallel.pipeline.schedule"
 CHECKER_TOOLS = ("labkit.parallel.pipeline.simulate", f"{_SCHEDULE}.Action", f"{_SCHEDULE}.Schedule",
                  f"{_SCHEDULE}.validate", f"{_SCHEDULE}._check_positive", f"{_SCHEDULE}._inputs",
-                 f"{_SCHEDULE}._execute")
+                 f"{_SCHEDULE}._execute", f"{_SCHEDULE}.stage_rank")
 # torch's 1F1B tables: the classes' pipeline_order, the interleaved schedules' per-rank builder, the visualizer's
 # get_schedule_ops("1F1B", p, m).  Named one by one: the whole module would also swap Enum.__new__ (its enum's).
 # (torch 2.14's Schedule1F1B table is off by one on the last stage, F1..Fm: the checks would catch it anyway.)

@@ -68,17 +68,18 @@ class PipelineRun:
 
 def build_pipeline(config: GPTConfig, seed: int, schedule: Schedule, group: Any = None, *, micro_batch_size: int,
                    seq_len: int) -> list[PipelineStage]:
-    """This rank's stages of ``TinyGPT(config, seed)`` for ``schedule``: stages ``r, r + p, ...`` of ``p v``,
-    where ``r`` is this rank's place in ``group`` (a :class:`~labkit.mesh.Mesh`'s ``"pp"`` group, a process group,
-    or every rank)."""
+    """This rank's stages of ``TinyGPT(config, seed)`` for ``schedule``: stages ``r, r + p, ...`` of ``p v``
+    (``r`` and ``2p - 1 - r`` under the V placement), where ``r`` is this rank's place in ``group`` (a
+    :class:`~labkit.mesh.Mesh`'s ``"pp"`` group, a process group, or every rank)."""
     pp = require_group(group.group("pp") if isinstance(group, Mesh) else group)
     if dist.get_world_size(pp) != schedule.p:
         raise ValueError(f"the schedule is for p={schedule.p} ranks, but the pipeline group has "
                          f"{dist.get_world_size(pp)}")
     here = dist.get_rank(pp)
     return [PipelineStage(build_stage(config, seed, stage, schedule.stages), stage, schedule.stages, group,
-                          micro_batch_size=micro_batch_size, seq_len=seq_len, num_microbatches=schedule.m)
-            for stage in range(here, schedule.stages, schedule.p)]
+                          micro_batch_size=micro_batch_size, seq_len=seq_len, num_microbatches=schedule.m,
+                          placement=schedule.placement)
+            for stage in schedule.stages_of(here)]
 
 
 def _check(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch.Tensor | None,
@@ -94,10 +95,10 @@ def _check(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch.Tenso
     if p != schedule.p:
         raise ValueError(f"the schedule is for p={schedule.p} ranks, but the stages' pipeline group has {p}")
     by_stage = {stage.stage: stage for stage in stages}
-    expected = list(range(rank, schedule.stages, schedule.p))
+    expected = schedule.stages_of(rank)
     if sorted(by_stage) != expected:
-        raise ValueError(f"pp-rank {rank} of {schedule.name} (p={schedule.p}, v={schedule.v}) runs stages "
-                         f"{expected}, but was given stages {sorted(by_stage)}")
+        raise ValueError(f"pp-rank {rank} of {schedule.name} (p={schedule.p}, v={schedule.v}, {schedule.placement} "
+                         f"placement) runs stages {expected}, but was given stages {sorted(by_stage)}")
     for stage in stages:
         if stage.num_stages != schedule.stages or stage.num_microbatches != schedule.m:
             raise ValueError(f"stage {stage.stage} was built for {stage.num_stages} stages and "
@@ -132,26 +133,47 @@ def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch
     rank, by_stage = _check(schedule, stages, ids, targets)
     order = schedule.orders()[rank]
     split = {(a.stage, a.microbatch) for a in order if a.kind == "I"}
+    split_kind = {key: "I" for key in split}
     micro_ids = None if ids is None else ids.chunk(schedule.m)
     micro_targets = None if targets is None else targets.chunk(schedule.m)
     posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor]] = {}
+    # Under the V placement rank p - 1 holds stages p - 1 and p: what one hands the other stays in this process.
+    handed: dict[tuple[str, int, int], torch.Tensor] = {}
+    follows = {first: second for first, second in schedule.pairs if first in order}
+
+    def source(action: Action) -> int:  # the stage whose output this action's input is
+        return action.stage - 1 if action.kind == "F" else action.stage + 1
 
     def post(action: Action) -> None:
         stage = by_stage[action.stage]
         key = (action.kind, action.stage, action.microbatch)
         if key in posted or action.kind == "W" or (action.kind == "F" and stage.is_first) \
-                or (action.kind != "F" and stage.is_last):
+                or (action.kind != "F" and stage.is_last) or source(action) in by_stage:
             return
         posted[key] = (stage.irecv_activation if action.kind == "F" else stage.irecv_gradient)(action.microbatch)
 
     def take(action: Action) -> torch.Tensor | None:
+        key = (action.kind, action.stage, action.microbatch)
+        if key in handed:
+            return handed.pop(key).requires_grad_(action.kind == "F")
         post(action)
-        entry = posted.pop((action.kind, action.stage, action.microbatch), None)
+        entry = posted.pop(key, None)
         if entry is None:
             return None
         work, buffer = entry
         work.wait()
         return buffer.requires_grad_(action.kind == "F")
+
+    def hand_on(action: Action, tensor: torch.Tensor) -> None:  # the output of an F, or the input gradient of a B/I
+        stage, forward = by_stage[action.stage], action.kind == "F"
+        target = action.stage + 1 if forward else action.stage - 1
+        if target in by_stage:
+            handed[("F" if forward else split_kind.get((target, action.microbatch), "B"), target,
+                    action.microbatch)] = tensor.detach()
+        elif forward:
+            stage.send_activation(action.microbatch, tensor)
+        else:
+            stage.send_gradient(action.microbatch, tensor)
 
     losses: list[torch.Tensor] = []
     events: list[tuple[float, float, Action]] = []
@@ -160,6 +182,8 @@ def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch
     origin = time.perf_counter()
     backwards = [index for index, action in enumerate(order) if action.kind == "B"]
     last_backward = backwards[-1] if backwards and not any(a.kind == "W" for a in order) else None
+    early: dict[Action, torch.Tensor | None] = {}  # the second action's input of an overlapped pair, in hand
+    rank_peak = 0
     for index, action in enumerate(order):
         if index + 1 < len(order):
             post(order[index + 1])
@@ -167,7 +191,9 @@ def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch
             before_last_backward()
         stage, mb = by_stage[action.stage], action.microbatch
         waited = time.perf_counter()
-        received = take(action)
+        received = early.pop(action) if action in early else take(action)
+        if action in follows:  # an overlapped F&B starts once both inputs are in (DualPipe's rule)
+            early[follows[action]] = take(follows[action])
         start = time.perf_counter()
         if action.kind == "F":
             inputs = micro_ids[mb] if stage.is_first else received
@@ -176,16 +202,17 @@ def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch
             if stage.is_last:
                 losses.append(out.detach())
             else:
-                stage.send_activation(mb, out)
+                hand_on(action, out)
         elif action.kind == "W":
             stage.backward_weight(mb)
         else:
             backward = stage.backward if action.kind == "B" else stage.backward_input
             grad_input = backward(mb, received)
             if not stage.is_first:
-                stage.send_gradient(mb, grad_input)
+                hand_on(action, grad_input)
         end = time.perf_counter()
         peak[action.stage] = max(peak[action.stage], len(stage.pending_microbatches))
+        rank_peak = max(rank_peak, sum(len(s.pending_microbatches) for s in stages))
         events.append((start, end, action))
         if trace.is_enabled():
             shift = trace.now() - end  # perf_counter -> this rank's trace clock
@@ -195,17 +222,19 @@ def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch
     for stage in stages:
         stage.wait_sends()
     values = [loss.item() for loss in losses] if any(s.is_last for s in stages) else None
-    return PipelineRun(values, _gather(schedule, stages[0].group, events, peak, origin) if timeline else None)
+    return PipelineRun(values, _gather(schedule, stages[0].group, events, peak, rank_peak, origin)
+                       if timeline else None)
 
 
-def _gather(schedule: Schedule, group: Any, events: list, peak: dict[int, int], origin: float) -> Timeline:
+def _gather(schedule: Schedule, group: Any, events: list, peak: dict[int, int], rank_peak: int, origin: float
+            ) -> Timeline:
     """Every rank's events on one clock.  On one machine ``perf_counter`` reads the same monotonic clock in every
     process, so times compare as they are; across machines each rank's times count from its barrier exit."""
     everyone: list[Any] = [None] * schedule.p
-    dist.all_gather_object(everyone, (socket.gethostname(), origin, events, peak), group=group)
+    dist.all_gather_object(everyone, (socket.gethostname(), origin, events, rank_peak, peak), group=group)
     one_host = len({host for host, *_ in everyone}) == 1
     rows = [[(s - (0.0 if one_host else start), e - (0.0 if one_host else start), action)
-             for s, e, action in row] for _, start, row, _ in everyone]
+             for s, e, action in row] for _, start, row, _, _ in everyone]
     first = min((row[0][0] for row in rows if row), default=0.0)
     rows = [[(s - first, e - first, action) for s, e, action in row] for row in rows]
     peaks = [0] * schedule.stages
@@ -213,4 +242,4 @@ def _gather(schedule: Schedule, group: Any, events: list, peak: dict[int, int], 
         for stage, value in of_rank.items():
             peaks[stage] = value
     total = max((row[-1][1] for row in rows if row), default=0.0)
-    return Timeline(schedule, rows, total, peaks)
+    return Timeline(schedule, rows, total, peaks, [entry[3] for entry in everyone])

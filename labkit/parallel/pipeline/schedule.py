@@ -73,6 +73,14 @@ class Action:
         return cls(int(match[1]), match[2], int(match[3]))
 
 
+def stage_rank(stage: int, p: int, placement: str = "loop") -> int:
+    """The pipeline rank that holds ``stage`` of ``p`` ranks: ``stage % p`` round-robin (``"loop"``), or in a V
+    (``"v"``: rank ``r`` holds stages ``r`` and ``2p - 1 - r``) ``min(stage, 2p - 1 - stage)``."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    return stage % p if placement == "loop" else min(stage, 2 * p - 1 - stage)
+
+
 def _check_positive(**numbers: int) -> None:
     for name, value in numbers.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -89,6 +97,8 @@ class Schedule:
     name: str
     table: tuple[tuple[Action | None, ...], ...]
     placement: str = "loop"  # stage s on rank s % p; "v": rank r holds stages r and 2p - 1 - r (ZB-V, DualPipeV)
+    # (forward, backward) run as one overlapped unit (DualPipe's F&B): adjacent in their rank's order, F first
+    pairs: frozenset[tuple[Action, Action]] = frozenset()
 
     def __post_init__(self) -> None:
         _check_positive(p=self.p, m=self.m, v=self.v)
@@ -96,6 +106,7 @@ class Schedule:
             raise ValueError(f"placement must be one of {PLACEMENTS} ('v' with v = 2 stages per rank), got "
                              f"{self.placement!r} with v={self.v}")
         object.__setattr__(self, "table", tuple(tuple(row) for row in self.table))
+        object.__setattr__(self, "pairs", frozenset(self.pairs))
         if len(self.table) != self.p:
             raise ValueError(f"a schedule over p={self.p} ranks needs {self.p} rows, got {len(self.table)}")
 
@@ -105,7 +116,11 @@ class Schedule:
 
     def rank_of(self, stage: int) -> int:
         """The rank holding ``stage``: ``stage % p``, or under the V placement ``min(stage, 2p - 1 - stage)``."""
-        return stage % self.p if self.placement == "loop" else min(stage, 2 * self.p - 1 - stage)
+        return stage_rank(stage, self.p, self.placement)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages ``rank`` holds, in increasing order."""
+        return [stage for stage in range(self.stages) if self.rank_of(stage) == rank]
 
     def orders(self) -> list[list[Action]]:
         """Each rank's actions in the order it runs them (the idle slots dropped)."""
@@ -145,11 +160,14 @@ _RULES = {"F": "a forward needs the previous stage's forward of its micro-batch 
           "W": "a weight gradient W needs its input gradient I first"}
 
 
-def _execute(schedule: Schedule, duration: Callable[[Action], float], send_s: float = 0
-             ) -> list[list[tuple[float, float, Action]]]:
+def _execute(schedule: Schedule, duration: Callable[[Action], float], send_s: float = 0,
+             pair_s: Callable[[Action, Action], float] | None = None) -> list[list[tuple[float, float, Action]]]:
     """Run every rank's order: an action starts when its rank is free and its inputs are done (plus ``send_s``
-    when they come from another rank).  Raises ValueError if a rank waits on itself or no rank can progress."""
+    when they come from another rank).  An overlapped pair (``schedule.pairs``) starts when both its actions'
+    inputs are done and lasts ``pair_s(forward, backward)`` (their sum by default), split between the two in
+    proportion.  Raises ValueError if a rank waits on itself or no rank can progress."""
     orders = schedule.orders()
+    follows = dict(schedule.pairs)
     backward_kind = {(a.stage, a.microbatch): a.kind for order in orders for a in order if a.kind in "BI"}
     done: dict[Action, float] = {}
     free: list[float] = [0] * schedule.p
@@ -160,7 +178,8 @@ def _execute(schedule: Schedule, duration: Callable[[Action], float], send_s: fl
         for rank in range(schedule.p):
             while position[rank] < len(orders[rank]):
                 action = orders[rank][position[rank]]
-                needs = _inputs(action, schedule.stages, backward_kind)
+                unit = [action, follows[action]] if action in follows else [action]
+                needs = [need for a in unit for need in _inputs(a, schedule.stages, backward_kind)]
                 missing = [need for need in needs if need not in done]
                 if missing:
                     if schedule.rank_of(missing[0].stage) == rank:
@@ -169,10 +188,14 @@ def _execute(schedule: Schedule, duration: Callable[[Action], float], send_s: fl
                     break
                 start = max([free[rank]] + [done[need] + (send_s if schedule.rank_of(need.stage) != rank else 0)
                                             for need in needs])
-                end = start + duration(action)
-                done[action], free[rank] = end, end
-                events[rank].append((start, end, action))
-                position[rank] += 1
+                lengths = [duration(a) for a in unit]
+                total = pair_s(*unit) if len(unit) == 2 and pair_s is not None else sum(lengths)
+                for a, length in zip(unit, lengths, strict=True):  # a pair's time shared in proportion
+                    end = start + (length if len(unit) == 1 else total * length / sum(lengths) if sum(lengths) else 0)
+                    done[a], free[rank] = end, end
+                    events[rank].append((start, end, a))
+                    start = end
+                position[rank] += len(unit)
                 progressed = True
         if not progressed:
             waits = [f"rank {r} at {orders[r][position[r]]} waits for "
@@ -206,6 +229,14 @@ def validate(schedule: Schedule) -> None:
             counts[action] += 1
             if counts[action] > 1:
                 raise ValueError(f"{schedule.name}: {action} appears twice; each action runs exactly once")
+        for forward, backward in schedule.pairs:
+            if forward in order and (forward.kind != "F" or backward.kind == "F"
+                                     or order.index(forward) + 1 >= len(order)
+                                     or order[order.index(forward) + 1] != backward):
+                raise ValueError(f"{schedule.name}: the overlapped pair ({forward}, {backward}) must be a forward "
+                                 f"and a backward run one after the other on rank {rank}")
+    if any(forward not in counts for forward, _ in schedule.pairs):
+        raise ValueError(f"{schedule.name}: an overlapped pair names an action the schedule does not run")
     for stage in range(schedule.stages):
         for mb in range(schedule.m):
             has = {kind for kind in KINDS if Action(stage, kind, mb) in counts}
@@ -224,9 +255,10 @@ def validate(schedule: Schedule) -> None:
 # Generators: each decides the order of every rank; _place gives it time slots.
 
 
-def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]], placement: str = "loop") -> Schedule:
+def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]], placement: str = "loop",
+           pairs: frozenset[tuple[Action, Action]] = frozenset()) -> Schedule:
     """Time slots for ``orders``: every action one slot long, starting as soon as its rank and inputs allow."""
-    unplaced = Schedule(p, m, v, name, orders, placement)
+    unplaced = Schedule(p, m, v, name, orders, placement, pairs)
     validate(unplaced)
     table: list[list[Action | None]] = []
     for events in _execute(unplaced, lambda action: 1):
@@ -234,7 +266,7 @@ def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]], placem
         for start, _, action in events:
             row[int(start)] = action
         table.append(row)
-    return Schedule(p, m, v, name, table, placement)
+    return Schedule(p, m, v, name, table, placement, pairs)
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -314,52 +346,6 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 # ---------------------------------------------------------------------------------------------------------
 # torch's compute-only CSV: one row per rank, a cell per time slot ("0F0"), empty when idle.
-
-
-def zb_v(p: int, m: int) -> Schedule:
-    """ZB-V (Qi et al. 2023, section 6): two stages per rank placed in a V, rank ``r`` holding stage ``r`` on the
-    way down and stage ``2p - 1 - r`` on the way back, so the last stage's output returns to rank 0, which started
-    the batch; backward split into ``I`` and ``W``.  Rank ``r`` warms up with ``2(p - r) - 1`` forwards of its
-    first stage, then ``r`` pairs (second stage, first stage), then ``p - r`` triples ``F I W`` on its second stage;
-    in the steady state each round runs ``F I W`` on the first stage then on the second; the cool-down takes ``r``
-    pairs of ``I`` (first, second), ``p - r`` pairs ``I W`` on the first stage, and the ``W`` still owed.  With
-    ``F = I = W`` for a stage (half a rank's layers) and ``m >= 2p - 1`` only the ``p - 1`` slots of the ramp stay
-    idle, against ``6m`` of work a rank: ``(p - 1) / (6m + p - 1)``, half ZB-H1's idle time for the same layers;
-    its peak activations, Qi et al. report, are 1F1B's.  The order is torch's ``ScheduleZBVZeroBubble``'s, action
-    for action (``tests/test_pipeline_schedule.py``).  (The runtime does not run the V placement yet.)"""
-    _check_positive(p=p, m=m)
-    orders = []
-    for rank in range(p):
-        down, up = rank, 2 * p - 1 - rank
-        planned = max(2 * p - 1, m)  # the warm-up assumes this many; the extras are dropped below
-        order: list[Action] = []
-        f0 = f1 = b0 = b1 = 0  # forwards and input gradients run so far, of the first (0) and second (1) stage
-        for _ in range(2 * (p - rank) - 1):
-            order.append(Action(down, "F", f0))
-            f0 += 1
-        for _ in range(rank):
-            order += [Action(up, "F", f1), Action(down, "F", f0)]
-            f1, f0 = f1 + 1, f0 + 1
-        for _ in range(p - rank):
-            order += [Action(up, "F", f1), Action(up, "I", b1), Action(up, "W", b1)]
-            f1, b1 = f1 + 1, b1 + 1
-        while f1 < f0 or f0 < planned:
-            if f0 < planned:
-                order.append(Action(down, "F", f0))
-                f0 += 1
-            order += [Action(down, "I", b0), Action(down, "W", b0), Action(up, "F", f1), Action(up, "I", b1),
-                      Action(up, "W", b1)]
-            b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
-        w0, w1 = b0, b1
-        for _ in range(rank):
-            order += [Action(down, "I", b0), Action(up, "I", b1)]
-            b0, b1 = b0 + 1, b1 + 1
-        for _ in range(p - rank):
-            order += [Action(down, "I", b0), Action(down, "W", w0)]
-            b0, w0 = b0 + 1, w0 + 1
-        order += [Action(up, "W", k) for k in range(w1, b1)] + [Action(down, "W", k) for k in range(w0, b0)]
-        orders.append([action for action in order if action.microbatch < m])
-    return _place("ZB-V", p, m, 2, orders, "v")
 
 
 def to_csv(schedule: Schedule) -> str:

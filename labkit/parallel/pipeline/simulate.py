@@ -12,7 +12,9 @@ makespan and ``idle = p T - busy``.  Narayanan et al. (2021) instead quote the b
 
 **Activations held**: a stage stores one micro-batch's activations from its ``F`` until its ``B``, or, split,
 until its ``I`` (which uses most of them; the deferred ``W`` keeps only each layer's input and output gradient,
-as Qi et al. 2023 count).  :attr:`Timeline.peak_activations` is, per stage, the most micro-batches held at once.
+as Qi et al. 2023 count).  :attr:`Timeline.peak_activations` is, per stage, the most micro-batches held at once,
+and :attr:`Timeline.rank_peaks` per rank, over all its stages together (a micro-batch of a stage holding ``1/v``
+of a rank's layers counts one, as DualPipe's README counts).
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class Timeline:
     events: list[list[tuple[float, float, Action]]]
     total: float  # the makespan: when the last action ends
     peak_activations: list[int]  # per stage: most micro-batches between F and B (or I) at once
+    rank_peaks: list[int] | None = None  # per rank: most (stage, micro-batch) pairs held at once, all its stages
+
+    def __post_init__(self) -> None:
+        if self.rank_peaks is None:  # counted from the orders (a measured timeline brings its own count)
+            object.__setattr__(self, "rank_peaks", _held(self.schedule)[1])
 
     @property
     def busy(self) -> float:
@@ -70,14 +77,19 @@ def _validated(schedule: Schedule) -> None:
 
 
 def simulate(schedule: Schedule, forward_s: Seconds = 1.0, backward_s: Seconds = 2.0,
-             weight_s: Seconds | None = None, send_s: float = 0) -> Timeline:
+             weight_s: Seconds | None = None, send_s: float = 0, overlap: float = 0) -> Timeline:
     """Place ``schedule``'s actions in time (after :func:`validate`).
 
     Durations are per stage (a list of ``p v`` values) or one for all.  ``backward_s`` is a full ``B``; a split
     backward costs the same in total: ``W`` takes ``weight_s`` (``backward_s / 2`` by default) and ``I`` the
     rest.  For interleaved schedules the durations are per chunk: pass ``1/v`` of a whole rank's share to
     compare with the same model on ``v = 1``.  Exact numbers (``int``, ``fractions.Fraction``) stay exact.
+    An overlapped pair (DualPipeV's ``F&B``, ``schedule.pairs``) starts once both its inputs are in and takes
+    ``F + B - overlap * min(F, B)``: ``overlap = 0`` runs them one after the other (torch's runtime and labkit's),
+    ``1`` hides the shorter entirely.
     """
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"overlap must be in [0, 1] (the share of the shorter action of a pair hidden), got {overlap}")
     _validated(schedule)
     stages = schedule.stages
     f = _per_stage("forward_s", forward_s, stages)
@@ -88,7 +100,14 @@ def simulate(schedule: Schedule, forward_s: Seconds = 1.0, backward_s: Seconds =
     if send_s < 0:
         raise ValueError(f"send_s must be >= 0, got {send_s}")
     durations = {"F": f, "B": b, "I": [bi - wi for bi, wi in zip(b, w, strict=True)], "W": w}
-    return _timeline(schedule, _execute(schedule, lambda action: durations[action.kind][action.stage], send_s))
+
+    def duration(action: Action) -> float:
+        return durations[action.kind][action.stage]
+
+    def pair_s(forward: Action, backward: Action) -> float:
+        return duration(forward) + duration(backward) - overlap * min(duration(forward), duration(backward))
+
+    return _timeline(schedule, _execute(schedule, duration, send_s, pair_s))
 
 
 def replay(timeline: Timeline, send_s: float = 0) -> Timeline:
@@ -114,10 +133,21 @@ def replay(timeline: Timeline, send_s: float = 0) -> Timeline:
 
 def _timeline(schedule: Schedule, events: list[list[tuple[float, float, Action]]]) -> Timeline:
     total = max((row[-1][1] for row in events if row), default=0.0)
+    return Timeline(schedule, events, total, *_held(schedule))
+
+
+def _held(schedule: Schedule) -> tuple[list[int], list[int]]:
+    """Per stage and per rank, the most micro-batches held at once, counted along each rank's order."""
     peak = [0] * schedule.stages
     held = [0] * schedule.stages
+    rank_peaks = []
     for order in schedule.orders():
+        most = on_rank = 0
         for action in order:  # a stage's actions all run on one rank, so that rank's order is their order
-            held[action.stage] += {"F": 1, "B": -1, "I": -1}.get(action.kind, 0)
+            change = {"F": 1, "B": -1, "I": -1}.get(action.kind, 0)
+            held[action.stage] += change
             peak[action.stage] = max(peak[action.stage], held[action.stage])
-    return Timeline(schedule, events, total, peak)
+            on_rank += change
+            most = max(most, on_rank)
+        rank_peaks.append(most)
+    return peak, rank_peaks

@@ -65,6 +65,7 @@ from labkit.dist import global_rank, require_group
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
 from labkit.parallel.experts.layer import aux_loss_scale
+from labkit.parallel.pipeline.schedule import stage_rank
 
 
 def _check_count(name: str, value: object) -> int:
@@ -112,7 +113,8 @@ class PipelineStage:
 
     ``group`` is a :class:`labkit.mesh.Mesh` (its ``"pp"`` group is used), a ``ProcessGroup`` or ``None`` (every
     rank); its ranks, in group order, are the pipeline's ``p`` ranks, and stage ``stage`` must live on this one
-    (``stage % p`` is this rank's group rank).  ``num_stages = p v`` for ``v`` stages per rank.  Every message
+    (``stage % p`` is this rank's group rank; with ``placement="v"``, two stages a rank in a V, rank ``r``
+    holds stages ``r`` and ``2p - 1 - r``).  ``num_stages = p v`` for ``v`` stages per rank.  Every message
     has shape ``activation_shape = (micro_batch_size, seq_len, n_embd)`` (see the module docstring), and the
     last stage's ``backward`` scales the loss by ``1 / num_microbatches``.
 
@@ -123,7 +125,7 @@ class PipelineStage:
 
     def __init__(self, module: nn.Module, stage: int, num_stages: int, group: Any = None, *,
                  micro_batch_size: int, seq_len: int, num_microbatches: int, dtype: torch.dtype | None = None,
-                 hidden_size: int | None = None):
+                 hidden_size: int | None = None, placement: str = "loop"):
         self.module = module
         self.num_stages = _check_count("num_stages", num_stages)
         self.num_microbatches = _check_count("num_microbatches", num_microbatches)
@@ -138,13 +140,17 @@ class PipelineStage:
         if self.p == 1 and num_stages > 1:
             raise ValueError(f"num_stages={num_stages} on a single rank would send to itself: use one stage "
                              "(the whole model) on one rank")
+        if placement == "v" and num_stages != 2 * self.p:
+            raise ValueError(f"the V placement puts two stages on each rank: num_stages must be 2p = {2 * self.p}, "
+                             f"got {num_stages}")
         here = dist.get_rank(self.group)
-        if stage % self.p != here:
-            raise ValueError(f"stage {stage} lives on pp-rank {stage % self.p} (stage % p, p={self.p}), but this "
-                             f"is pp-rank {here}")
+        if stage_rank(stage, self.p, placement) != here:
+            raise ValueError(f"stage {stage} lives on pp-rank {stage_rank(stage, self.p, placement)} ({placement} "
+                             f"placement, p={self.p}), but this is pp-rank {here}")
+        self.placement = placement
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.prev_rank = None if self.is_first else global_rank(self.group, (stage - 1) % self.p)
-        self.next_rank = None if self.is_last else global_rank(self.group, (stage + 1) % self.p)
+        self.prev_rank = None if self.is_first else global_rank(self.group, stage_rank(stage - 1, self.p, placement))
+        self.next_rank = None if self.is_last else global_rank(self.group, stage_rank(stage + 1, self.p, placement))
         parameter = next(module.parameters())
         self.device = parameter.device
         self.dtype = dtype or parameter.dtype

@@ -102,5 +102,5 @@ def timed_pipeline(schedule: Schedule, forward_s: float, backward_s: float, weig
     return [PipelineStage(TimedStage(forward_s, backward_s, weight_s, first=stage == 0,
                                      last=stage == schedule.stages - 1),
                           stage, schedule.stages, group, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                          num_microbatches=schedule.m)
-            for stage in range(dist.get_rank(pp), schedule.stages, schedule.p)]
+                          num_microbatches=schedule.m, placement=schedule.placement)
+            for stage in schedule.stages_of(dist.get_rank(pp))]
