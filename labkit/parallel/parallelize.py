@@ -161,8 +161,8 @@ class Parallel3D(ParallelWrapper):
                         cp_layout=cp_layout, ep=mesh.ep)
         stage_indices = plan.stages_of(mesh.rank("pp"))
         # 1. the pipeline's cut, 2. tensor parallelism inside each stage, 3. context parallelism of attention
-        tensor_parallel = [TensorParallel(_stage_module(model, s, plan.stages), mesh.group("tp"), seed=seed)
-                           for s in stage_indices]
+        tensor_parallel = [TensorParallel(_stage_module(model, s, plan.stages), mesh.group("tp"), seed=seed,
+                                          dense_alone=True) for s in stage_indices]
         self.context_parallel = ContextParallelGroup(mesh.group("cp"), cp_layout) if mesh.cp > 1 else None
         self.cp_strategy = cp_strategy
         for tp in tensor_parallel if self.context_parallel else []:

@@ -178,7 +178,8 @@ def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch
     losses: list[torch.Tensor] = []
     events: list[tuple[float, float, Action]] = []
     peak = {stage: 0 for stage in by_stage}
-    dist.barrier(group=stages[0].group)
+    if timeline:  # one clock origin for the gathered timeline; without one the ranks need not wait for each other
+        dist.barrier(group=stages[0].group)
     origin = time.perf_counter()
     backwards = [index for index, action in enumerate(order) if action.kind == "B"]
     last_backward = backwards[-1] if backwards and not any(a.kind == "W" for a in order) else None

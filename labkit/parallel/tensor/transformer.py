@@ -114,10 +114,12 @@ class TensorParallel(ParallelWrapper):
     ``forward(idx, targets=None) -> (logits, loss)``: ``logits`` are this rank's vocabulary slice
     ``[b, s, V_padded / t]`` (never gathered), ``loss`` the mean cross-entropy over the whole vocabulary.  A
     stage without the head returns its hidden state (this rank's sequence shard with sequence parallelism).
+    ``dense_alone``: on a group of one rank (no sequence parallelism, dropout or vocabulary padding) keep the
+    dense layers: the same numbers, fewer operations (:func:`labkit.parallel.parallelize` asks for it).
     """
 
     def __init__(self, module: TinyGPT, group: Any = None, sequence_parallel: bool = False, seed: int | None = None,
-                 vocab_divisible_by: int = 1):
+                 vocab_divisible_by: int = 1, dense_alone: bool = False):
         if not isinstance(module, TinyGPT):
             raise TypeError(f"parallelize_tensor splits a labkit.models.TinyGPT, got {type(module).__name__}")
         if not isinstance(sequence_parallel, bool):
@@ -140,7 +142,13 @@ class TensorParallel(ParallelWrapper):
             _check_same_random_state(self.group, device)
         self.rng = ParallelRNG(torch.initial_seed() if seed is None else seed, self.rank, device)
         self._split: dict[str, tuple[int, int]] = {}  # name -> (split dimension, its dense size)
-        self._parallelize(module)
+        # dense_alone (parallelize's, for tp = 1): one rank with nothing to pad, shard or draw dropout masks for
+        # keeps the dense layers, which compute the same without the split layers' extra operations and a Python
+        # hook per gradient, so a 3D layout with tp = 1 runs at the dense model's pace.
+        self.dense = dense_alone and self.world_size == 1 and not sequence_parallel and config.dropout == 0 \
+            and self.padded_vocab_size == config.vocab_size
+        if not self.dense:
+            self._parallelize(module)
         self._replicated = [p for name, p in module.named_parameters() if name not in self._split]
         self._queued = False
         # With sequence parallelism each rank's new gradient of a replicated parameter covers its tokens only:
@@ -149,7 +157,7 @@ class TensorParallel(ParallelWrapper):
         if sequence_parallel and self.world_size > 1:
             for index, parameter in enumerate(self._replicated):
                 parameter.register_hook(self._keeper(index))
-        for parameter in module.parameters():
+        for parameter in [] if self.dense else module.parameters():
             parameter.register_post_accumulate_grad_hook(self._on_gradient)
 
     @torch.no_grad()
@@ -199,6 +207,8 @@ class TensorParallel(ParallelWrapper):
             raise ValueError(f"sequence parallelism splits the sequence over the {t} tensor-parallel ranks: the "
                              f"sequence length {time} must be divisible by {t}")
         self._forwards, self._shape = self._forwards + 1, (idx.shape[0], time)
+        if self.dense:
+            return model(idx, targets)
         x = idx if model.token_embedding is None else self._embed(idx)
         for block in model.blocks:
             if block is not None:
