@@ -133,13 +133,12 @@ def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch
     rank, by_stage = _check(schedule, stages, ids, targets)
     order = schedule.orders()[rank]
     split = {(a.stage, a.microbatch) for a in order if a.kind == "I"}
-    split_kind = {key: "I" for key in split}
     micro_ids = None if ids is None else ids.chunk(schedule.m)
     micro_targets = None if targets is None else targets.chunk(schedule.m)
     posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor]] = {}
     # Under the V placement rank p - 1 holds stages p - 1 and p: what one hands the other stays in this process.
     handed: dict[tuple[str, int, int], torch.Tensor] = {}
-    follows = {first: second for first, second in schedule.pairs if first in order}
+    follows = dict(schedule.pairs)  # an overlapped pair: its forward -> its backward
 
     def source(action: Action) -> int:  # the stage whose output this action's input is
         return action.stage - 1 if action.kind == "F" else action.stage + 1
@@ -168,8 +167,8 @@ def run_schedule(schedule: Schedule, stages: Sequence[PipelineStage], ids: torch
         stage, forward = by_stage[action.stage], action.kind == "F"
         target = action.stage + 1 if forward else action.stage - 1
         if target in by_stage:
-            handed[("F" if forward else split_kind.get((target, action.microbatch), "B"), target,
-                    action.microbatch)] = tensor.detach()
+            kind = "F" if forward else "I" if (target, action.microbatch) in split else "B"
+            handed[(kind, target, action.microbatch)] = tensor.detach()
         elif forward:
             stage.send_activation(action.microbatch, tensor)
         else:
