@@ -43,13 +43,13 @@ import torch.distributed as dist
 
 from labkit.calibrate import calibrate
 from labkit.costmodel.calibration import average, rank_correlation
-from labkit.costmodel.memory import TransformerShape
+from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.step import Layout
 from labkit.launch import launch
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
-from labkit.parallel.layout_timing import LR, slowest_rank_seconds, step_batch, time_layouts
 from labkit.parallel.parallelize import PARTS, parallelize
+from labkit.parallel.parallelize.timing import LR, slowest_rank_seconds, step_batch, time_layouts
 
 TARGET_RATIO = 1.0
 TARGET_PREDICTION_ERROR = 0.30

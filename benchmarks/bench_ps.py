@@ -32,7 +32,7 @@ from labkit.costmodel.stragglers import async_update_s, harmonic
 from labkit.launch import launch
 from labkit.models import MLPConfig, TinyMLP
 from labkit.parallel.parameter_server import Stragglers, run_parameter_server
-from labkit.parallel.ps_simulate import clock_gap, simulate_parameter_server
+from labkit.parallel.parameter_server.simulate import clock_gap, simulate_parameter_server
 
 CONFIG = MLPConfig(in_features=32, hidden_sizes=(64, 64), num_classes=4)
 WORKERS, MEAN_S, SLOW_S = 4, 0.080, 0.080

@@ -32,7 +32,7 @@ import torch.distributed as torch_dist
 from labkit.costmodel.calibration import Calibration
 from labkit.costmodel.collectives import fit_alpha_beta
 from labkit.costmodel.compute import model_flops_per_step
-from labkit.costmodel.memory import TransformerShape
+from labkit.costmodel.shapes import TransformerShape
 from labkit.launch import launch
 from labkit.measure import measure_alpha_beta, time_step
 from labkit.models import GPTConfig, TinyGPT

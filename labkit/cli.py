@@ -226,14 +226,14 @@ def plan(args: argparse.Namespace) -> int:
     """Print the planner's top configurations for a published model shape on a cluster of one GPU kind, each
     term of the predicted step apart (the DP reduction and ZeRO's gathers: what is exposed, and the slowdown of
     the compute that hid the rest), and what each column means."""
-    from labkit.costmodel import compute, memory, planner, validation
+    from labkit.costmodel import compute, planner, shapes, validation
 
     efficiency = validation.EFFICIENCY if args.efficiency is None else args.efficiency
     try:
         _plan_flags(args)
-        if args.model not in memory.MODEL_SHAPES:
-            raise ValueError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(memory.MODEL_SHAPES))}")
-        shape = memory.TransformerShape.preset(args.model)
+        if args.model not in shapes.MODEL_SHAPES:
+            raise ValueError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(shapes.MODEL_SHAPES))}")
+        shape = shapes.TransformerShape.preset(args.model)
         if args.seq_len is not None:
             shape = dataclasses.replace(shape, seq_len=args.seq_len)
         cluster = planner.Cluster(compute.GPUS[args.gpu], args.gpus, efficiency)
@@ -252,8 +252,8 @@ def plan(args: argparse.Namespace) -> int:
         print(f"labkit plan: {error}", file=sys.stderr)
         return 2
     margin = cluster.memory_margin
-    active = f", {memory.num_parameters(shape, active=True) / 1e9:.1f}B active" if shape.num_experts else ""
-    print(f"{args.model} ({memory.num_parameters(shape) / 1e9:.1f}B parameters{active}) on {args.gpus} x {args.gpu}, "
+    active = f", {shapes.num_parameters(shape, active=True) / 1e9:.1f}B active" if shape.num_experts else ""
+    print(f"{args.model} ({shapes.num_parameters(shape) / 1e9:.1f}B parameters{active}) on {args.gpus} x {args.gpu}, "
           f"global batch {args.global_batch} x {shape.seq_len} tokens, {efficiency:.1%} of peak on the matrices; "
           f"plans fill at most {cluster.usable_bytes / 1e9:.0f} of {cluster.gpu.memory_bytes / 1e9:.0f} GB a GPU, "
           f"keeping {margin:.0%} for what the memory model does not count (CUDA context, NCCL buffers, the "

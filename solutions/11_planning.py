@@ -4,7 +4,7 @@ Before a team rents a thousand GPUs for a month it predicts, for every layout it
 training step takes, and where the time goes.  ``labkit plan`` does it with
 :func:`labkit.costmodel.step.predict_step`; here you derive the main terms yourself, from what the lessons before
 measured (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", section 3).  The notation (``shape``: a :class:`~labkit.costmodel.memory.TransformerShape`,
+Megatron-LM", section 3).  The notation (``shape``: a :class:`~labkit.costmodel.shapes.TransformerShape`,
 ``layout``: a :class:`~labkit.costmodel.step.Layout`, ``hardware``: a :class:`~labkit.costmodel.step.Hardware`)::
 
     d, t, p = layout.dp, layout.tp, layout.pp          ranks: d * t * p, numbered node by node
@@ -72,7 +72,7 @@ formulas.
 from __future__ import annotations
 
 from labkit.costmodel.compute import model_flops_per_step
-from labkit.costmodel.memory import num_parameters
+from labkit.costmodel.shapes import num_parameters
 
 VALUE_BYTES = 2  # bf16 activations and gradients
 

@@ -11,9 +11,11 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed import distributed_c10d as c10d
 
-from labkit import collective_check, collective_log, launch
-from labkit.collective_check import CollectiveMismatch, first_disagreement
-from labkit.collective_log import Entry, read_log, record_collectives
+from labkit import launch
+from labkit.launch import compare as collective_check
+from labkit.launch import record as collective_log
+from labkit.launch.compare import CollectiveMismatch, first_disagreement
+from labkit.launch.record import Entry, read_log, record_collectives
 
 HERE = Path(__file__)
 

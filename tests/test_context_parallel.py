@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit.costmodel import context as model
-from labkit.costmodel.shapes import tinygpt_activation_bytes
+from labkit.costmodel.memory import tinygpt_activation_bytes
 from labkit.launch import launch
 from labkit.measure import ActivationMeter
 from labkit.mesh import Mesh
@@ -35,7 +35,7 @@ from labkit.parallel.context import (
     shard_sequence,
 )
 from labkit.parallel.parallelize import check_3d, parallelize
-from labkit.train_config import parse_arguments
+from labkit.train.config import parse_arguments
 
 BATCH, HEADS, DIM, BLOCK = 2, 4, 8, 4
 

@@ -15,9 +15,10 @@ import pytest
 from labkit.costmodel import context
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPUS
+from labkit.costmodel.memory import activation_bytes
 from labkit.costmodel.planner import Cluster, layout_memory, plan
 from labkit.costmodel.published import LLAMA3_405B
-from labkit.costmodel.shapes import TransformerShape, activation_bytes
+from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.simulator import simulate_step
 from labkit.costmodel.step import Hardware, Layout, predict_step
 from labkit.costmodel.validation import EFFICIENCY, FIT_SET, predict

@@ -21,12 +21,7 @@ from labkit.costmodel.experts import (
     expected_max_normal,
 )
 from labkit.costmodel.planner import Cluster, candidates, layout_memory
-from labkit.costmodel.shapes import (
-    TransformerShape,
-    expert_parameters,
-    mla_parameters,
-    num_parameters,
-)
+from labkit.costmodel.shapes import TransformerShape, expert_parameters, mla_parameters, num_parameters
 from labkit.costmodel.stages import Layout, rank_expert_parameters, rank_parameters
 from labkit.costmodel.step import predict_step
 from labkit.launch import launch

@@ -15,7 +15,7 @@ from labkit.costmodel.compute import (
     narayanan_flops,
     tokens_per_second,
 )
-from labkit.costmodel.memory import TransformerShape, num_parameters
+from labkit.costmodel.shapes import TransformerShape, num_parameters
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gpt2-xl", "gpt3-175b"])

@@ -15,7 +15,6 @@ import math
 import pytest
 
 from labkit.costmodel.compute import GPUS, mfu, model_flops_per_step
-from labkit.costmodel.memory import num_parameters
 from labkit.costmodel.planner import Cluster, plan
 from labkit.costmodel.published import (
     FIGURE_READING_ERROR,
@@ -29,6 +28,7 @@ from labkit.costmodel.published import (
     megatron_flops_per_step,
     strong_scaling_run,
 )
+from labkit.costmodel.shapes import num_parameters
 from labkit.costmodel.step import Layout, predict_step
 from labkit.costmodel.validation import EFFICIENCY, HELD_OUT, planner_agreement, predict
 

@@ -12,7 +12,7 @@ import pytest
 from labkit.costmodel.calibration import Calibration, average, load, save
 from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
 from labkit.costmodel.compute import GPUS, model_flops_per_step
-from labkit.costmodel.memory import TransformerShape, num_parameters
+from labkit.costmodel.shapes import TransformerShape, num_parameters
 from labkit.costmodel.simulator import PARTS, effective_cores, scaling, simulate_step, straggle_factor
 from labkit.costmodel.step import Hardware, Layout, closed_form_makespan, predict_step, stage_times
 

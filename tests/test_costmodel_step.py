@@ -12,8 +12,8 @@ import pytest
 from labkit.costmodel import hardware as constants
 from labkit.costmodel.collectives import LinkModel, ring_reduce_scatter_cost
 from labkit.costmodel.compute import GPUS, head_flops, layer_flops, mfu, model_flops_per_step
-from labkit.costmodel.memory import TransformerShape, num_parameters
 from labkit.costmodel.planner import Cluster, candidates
+from labkit.costmodel.shapes import TransformerShape, num_parameters
 from labkit.costmodel.stages import chunk_parameters, link_of, rank_parameters
 from labkit.costmodel.step import Hardware, Layout, lower_bound, predict_step, schedule_table
 from labkit.costmodel.timeline import _integer_orders, compile_schedule, place

@@ -13,8 +13,8 @@ import pytest
 
 from labkit.costmodel import validation
 from labkit.costmodel.compute import GPUS, narayanan_flops
-from labkit.costmodel.memory import num_parameters
 from labkit.costmodel.published import LLAMA3_405B, MEGATRON_WEAK_SCALING, NARAYANAN_2021
+from labkit.costmodel.shapes import num_parameters
 from labkit.costmodel.validation import (
     EFFICIENCY,
     FIT_SET,

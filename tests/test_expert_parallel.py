@@ -28,7 +28,7 @@ from labkit.parallel.experts import (
     route_to_experts,
 )
 from labkit.parallel.parallelize import check_3d, parallelize
-from labkit.train_config import parse_arguments
+from labkit.train.config import parse_arguments
 
 H, E, K = 6, 8, 2
 

@@ -218,7 +218,7 @@ def test_both_remedies_balance_the_router_for_another_seed_too():
 
 
 def test_the_trainers_progress_line_says_what_the_moe_layers_dropped():
-    from labkit.train_report import moe_summary, progress_line
+    from labkit.train.report import moe_summary, progress_line
 
     model = TinyGPT(GPTConfig.preset("100k", n_experts=4, top_k=2, capacity_factor=0.5), seed=0)
     assert moe_summary(model) == ""  # no forward yet

@@ -567,14 +567,14 @@ def test_the_guard_refuses_labkits_and_torchs_checkpointing_but_leaves_labkits_d
     import torch.distributed.checkpoint as dcp
 
     import labkit.checkpoint
-    import labkit.checkpoint_files
+    import labkit.checkpoint.files
     from labkit.parallel.ddp import DistributedDataParallel
 
     code = dcp.save.__code__
     library = guard.LABKIT_IMPLEMENTATIONS + checkpointing_checks.BUILT_INS
     with guard.forbid(library=library, allow=checkpointing_checks.CHECKER_TOOLS):
         for call in (lambda: labkit.checkpoint.save("x", None, None, 0), lambda: labkit.checkpoint.load("x", None, None),
-                     lambda: labkit.checkpoint_files.set_rng_state({})):
+                     lambda: labkit.checkpoint.files.set_rng_state({})):
             with pytest.raises(guard.Forbidden, match="labkit's own implementation"):
                 call()
         for call in (lambda: dcp.save({}, checkpoint_id="x"), lambda: dcp.load({}, checkpoint_id="x")):
@@ -765,7 +765,7 @@ def test_the_3d_checks_take_any_collection_of_int_ranks_and_draw_cases_no_table_
 def test_the_planning_guard_refuses_labkits_step_model_planner_and_ring_costs_but_not_the_counts_handed_out():
     from labkit.costmodel import collectives, planner, simulator, step
     from labkit.costmodel.compute import GPUS, model_flops_per_step
-    from labkit.costmodel.memory import TransformerShape, num_parameters
+    from labkit.costmodel.shapes import TransformerShape, num_parameters
 
     case = planning_checks.CASES[0]
     cluster = planner.Cluster(GPUS["A100 80GB"], 8)
@@ -824,7 +824,7 @@ def test_the_planning_cases_reach_every_regime_the_exercise_teaches():
 
 def test_the_planning_worked_example_is_what_predict_step_gives_and_both_files_teach_it():
     from labkit.costmodel.collectives import LinkModel
-    from labkit.costmodel.memory import TransformerShape
+    from labkit.costmodel.shapes import TransformerShape
     from labkit.costmodel.step import Hardware, Layout, predict_step
 
     arguments = (TransformerShape.preset("gpt2"), Layout(dp=4, tp=2, pp=2, micro_batch=2), 64,

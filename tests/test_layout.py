@@ -19,7 +19,15 @@ import pytest
 from tests.conftest import REPO
 
 LIBRARY = REPO / "labkit"
-MAX_LINES = 420  # DESIGN.md: "under 300-400 lines per module", with room for a docstring table or two
+# A module holds one concept and may be long when its subject is (DESIGN.md).  Past LONG_LINES it is listed in
+# LONG_MODULES with the reason its subject needs the room, so that a module growing long is a decision someone read,
+# not an accident; past MAX_LINES it is split by concept (never into prefix-named siblings).
+LONG_LINES = 420
+MAX_LINES = 600
+LONG_MODULES: dict[str, str] = {
+    "labkit.launch.launcher": "one launch's life, start to results or to a named failure, reads as one story",
+    "labkit.grading.checkers.parameter_server": "exercise 08's checks: the rule by hand on many cases, then on ranks",
+}
 LAYERS = [  # lowest first; a module's layer is the first prefix that matches
     # The pipeline's schedules and their simulator are tables and arithmetic, no process group: analytical
     # models (the 3D step model prices a schedule with them), kept beside the runtime that runs the same tables;
@@ -30,12 +38,11 @@ LAYERS = [  # lowest first; a module's layer is the first prefix that matches
                               "labkit.parallel.pipeline.simulate", "labkit.parallel.context.layout",
                               "labkit.parallel.experts.router", "labkit.parallel.experts.permute",
                               "labkit.parallel.experts.layer")),
-    ("runtime", ("labkit.dist", "labkit.collective_log", "labkit.collective_check", "labkit.worker", "labkit.launch",
-                 "labkit.mesh", "labkit.trace",
-                 "labkit.collectives", "labkit.measure", "labkit.calibrate", "labkit.claims")),
+    ("runtime", ("labkit.dist", "labkit.launch", "labkit.mesh", "labkit.trace", "labkit.collectives",
+                 "labkit.measure", "labkit.calibrate", "labkit.claims")),
     ("parallel", ("labkit.parallel",)),
-    ("recipes", ("labkit.lr", "labkit.precision", "labkit.recompute", "labkit.checkpoint",
-                 "labkit.checkpoint_files")),
+    ("recipes", ("labkit.lr", "labkit.precision", "labkit.recompute", "labkit.checkpoint", "labkit.loader",
+                 "labkit.monitor", "labkit.pitfalls")),
     ("top", ("labkit.train", "labkit.viz", "labkit.grading", "labkit.cli", "labkit")),
 ]
 
@@ -70,9 +77,17 @@ def _layer(module: str) -> int:
 
 
 @pytest.mark.parametrize("module", sorted(_modules()))
-def test_every_module_reads_in_one_sitting(module):
+def test_no_module_runs_past_the_hard_limit(module):
     lines = len(_modules()[module].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{module} has {lines} lines; split it (DESIGN.md: one technique per module)"
+    assert lines <= MAX_LINES, (f"{module} has {lines} lines; split it by concept (DESIGN.md: a folder per "
+                                "technique, the same file name for the same thing in every folder)")
+
+
+def test_every_long_module_is_listed_with_its_reason():
+    long = {module for module, path in _modules().items() if len(path.read_text().splitlines()) > LONG_LINES}
+    assert long <= set(LONG_MODULES), (f"over {LONG_LINES} lines and not in LONG_MODULES: {sorted(long - set(LONG_MODULES))}: "
+                                       "split it by concept, or list it with the reason its subject needs the room")
+    assert set(LONG_MODULES) <= long, f"listed as long but no longer: {sorted(set(LONG_MODULES) - long)}"
 
 
 def test_no_module_imports_from_a_layer_above_its_own():

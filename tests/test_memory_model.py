@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from labkit.costmodel.memory import (
-    TransformerShape,
     activation_bytes,
     korthikanti_layer_activation_bytes,
     layer_activation_bytes,
     memory_per_rank,
-    num_parameters,
     tinygpt_activation_bytes,
 )
+from labkit.costmodel.shapes import TransformerShape, num_parameters
 from labkit.measure import ActivationMeter, measure_cuda_memory, measure_training_step
 from labkit.models import GPTConfig, TinyGPT
 from labkit.recompute import checkpoint_blocks

@@ -10,7 +10,8 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from labkit.costmodel.memory import TransformerShape, activation_bytes, memory_per_rank, num_parameters
+from labkit.costmodel.memory import activation_bytes, memory_per_rank
+from labkit.costmodel.shapes import TransformerShape, num_parameters
 from labkit.mesh import mesh_coordinates, mesh_groups
 from labkit.viz import mesh_memory, mesh_plots
 from labkit.viz.mesh_memory import (

@@ -56,8 +56,8 @@ def _one_process(dp: int, optimizer_cls=torch.optim.SGD, clip: float | None = No
 
 def _run_layouts(layouts, optimizer_cls=torch.optim.SGD, clip=None, overlap_dp=False):
     from labkit.mesh import Mesh
-    from labkit.parallel import parallelize_state as threed_state
     from labkit.parallel.parallelize import parallelize
+    from labkit.parallel.parallelize import state as threed_state
 
     out = []
     for dp, tp, pp, zero, schedule in layouts:
@@ -244,7 +244,7 @@ def test_a_traced_3d_step_shows_every_dimension_on_every_rank(tmp_path):
     all-reduces, bubbles and data-parallel reduction; step_breakdown splits each rank's step into them."""
     import json
 
-    from labkit.parallel.parallelize import PARTS, step_breakdown
+    from labkit.parallel.parallelize.timing import PARTS, step_breakdown
 
     path = tmp_path / "step.json"
     config = TrainConfig(dp=2, tp=2, pp=2, steps=2, batch_size=4, microbatches=2, log_every=100, trace=str(path))
@@ -269,7 +269,7 @@ def test_a_traced_3d_step_shows_every_dimension_on_every_rank(tmp_path):
 
 
 def test_step_breakdown_subtracts_the_collectives_inside_an_action():
-    from labkit.parallel.parallelize import step_breakdown
+    from labkit.parallel.parallelize.timing import step_breakdown
     from labkit.trace import Span
 
     spans = [Span(0, "wait 0F0", "bubble", 0.0, 1.0), Span(0, "0F0", "compute", 1.0, 3.0),
@@ -310,7 +310,7 @@ def test_overlapping_the_dp_reduction_with_the_last_backward_keeps_the_trajector
 def test_time_layouts_measures_each_layout_on_one_launch():
     """What bench_3d and notebook 11 hold the predictions to: each layout's median step, its traced parts and
     the bytes each dimension moved, every layout on the same launched ranks."""
-    from labkit.parallel.layout_timing import time_layouts
+    from labkit.parallel.parallelize.timing import time_layouts
 
     config = GPTConfig.preset("100k", tie_weights=False)
     timings = time_layouts(config, [(2, 1, 1), (1, 2, 1), (1, 1, 2)], steps=1, global_batch=8)

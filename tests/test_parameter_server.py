@@ -30,7 +30,7 @@ import torch.distributed as dist
 from labkit.launch import RankFailed, launch
 from labkit.models import MLPConfig, TinyMLP
 from labkit.parallel.parameter_server import Gate, Received, ShardRecord, Stragglers, run_parameter_server
-from labkit.parallel.ps_simulate import clock_gap
+from labkit.parallel.parameter_server.simulate import clock_gap
 
 CONFIG = MLPConfig(in_features=16, hidden_sizes=(32,), num_classes=4)
 LR, UPDATES = 0.1, 12

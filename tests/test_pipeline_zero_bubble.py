@@ -330,8 +330,8 @@ def test_the_planners_activations_held_are_the_simulators():
 
 
 def test_the_planner_tries_the_new_schedules_when_asked():
-    from labkit.costmodel import compute, memory, planner
-    shape = memory.TransformerShape.preset("gpt3-175b")
+    from labkit.costmodel import compute, planner, shapes
+    shape = shapes.TransformerShape.preset("gpt3-175b")
     found = planner.candidates(shape, 64, 64, schedules=planner.ALL_SCHEDULES)
     names = {layout.schedule for layout in found}
     assert {"zb-v", "dualpipev", "interleaved-zb"} <= names

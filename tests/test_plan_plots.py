@@ -7,9 +7,9 @@ import pytest
 from matplotlib.figure import Figure
 
 from labkit.costmodel.compute import GPUS
-from labkit.costmodel.memory import TransformerShape
 from labkit.costmodel.planner import Cluster, plan
 from labkit.costmodel.published import MEGATRON_STRONG_SCALING
+from labkit.costmodel.shapes import TransformerShape
 from labkit.viz.mesh_plots import MEMORY_PARTS
 from labkit.viz.plan_plots import GB, STEP_PARTS, plot_plan, plot_predicted_vs_measured, plot_scaling
 

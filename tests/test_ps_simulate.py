@@ -1,4 +1,4 @@
-"""Lesson 08's analytical side: the parameter-server simulator (``labkit.parallel.ps_simulate``), the straggler
+"""Lesson 08's analytical side: the parameter-server simulator (``labkit.parallel.parameter_server.simulate``), the straggler
 model (``labkit.costmodel.stragglers``) held to it, and the plots and explorer (``labkit.viz.ps_plots``).
 
 The simulator runs the server's own rule (``Gate``): with no delay its times are exact (a synchronous update is
@@ -22,8 +22,8 @@ from matplotlib.figure import Figure
 
 from labkit.costmodel import stragglers as model
 from labkit.parallel.parameter_server import ParameterServerRun, Received, Stragglers
-from labkit.parallel.ps_simulate import clock_gap
-from labkit.parallel.ps_simulate import simulate_parameter_server as simulate
+from labkit.parallel.parameter_server.simulate import clock_gap
+from labkit.parallel.parameter_server.simulate import simulate_parameter_server as simulate
 from labkit.viz import ps_plots
 from tests.conftest import check_every_control_redraws, explorer_controls
 

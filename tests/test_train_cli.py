@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from labkit import checkpoint, checkpoint_files, cli, train
-from labkit import train_report as report
+from labkit import checkpoint, cli, train
+from labkit.train import report
 from tests.conftest import REPO
 
 TRAIN = [sys.executable, "-m", "labkit.train"]
@@ -309,12 +309,12 @@ def test_checkpoint_writes_name_their_writer_so_a_later_run_can_tell_a_dead_one(
                                                                real_replace(source, target)))
     checkpoint.write_atomically(tmp_path / "state.pt", b"data")
     assert seen == [f".state.pt.pid{os.getpid()}@{socket.gethostname()}.partial"]
-    assert checkpoint_files.PARTIAL.match(seen[0])
+    assert checkpoint.PARTIAL.match(seen[0])
 
 
 @pytest.mark.parametrize(("text", "expected"), [
     ('Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\n'
-     "labkit.checkpoint_files.CheckpointError: run/step-2/state.pt: corrupted\n",
+     "labkit.checkpoint.files.CheckpointError: run/step-2/state.pt: corrupted\n",
      "CheckpointError: run/step-2/state.pt: corrupted"),
     ("Traceback (most recent call last):\n  ...\nRuntimeError: Error(s) in loading state_dict:\n\tsize mismatch for w\n",
      "RuntimeError: Error(s) in loading state_dict:"),  # a message of several lines: its first
@@ -323,6 +323,5 @@ def test_checkpoint_writes_name_their_writer_so_a_later_run_can_tell_a_dead_one(
      "the process was killed by SIGKILL before it could report (exit code -9)"),
 ])
 def test_a_failures_headline_is_its_exception_without_the_module_path(text, expected):
-    from labkit import train_report
 
-    assert train_report.headline(text) == expected
+    assert report.headline(text) == expected

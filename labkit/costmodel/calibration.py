@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from labkit.costmodel.collectives import LinkModel
-from labkit.costmodel.memory import TransformerShape, num_parameters
+from labkit.costmodel.shapes import TransformerShape, num_parameters
 from labkit.costmodel.simulator import SimulatedStep, simulate_step
 from labkit.costmodel.step import Hardware, Layout
 

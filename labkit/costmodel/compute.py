@@ -68,7 +68,7 @@ def model_state_bytes(parameters: float, bytes_per_parameter: float = BYTES_PER_
 
 
 def matmul_parameters_per_layer(shape: Any) -> float:
-    """The weights one layer multiplies each token by (``labkit.costmodel.memory.TransformerShape``): the four
+    """The weights one layer multiplies each token by (``labkit.costmodel.shapes.TransformerShape``): the four
     attention projections (key and value narrower under grouped-query attention; a multi-head latent attention's
     own count) and the MLP's two (GELU) or three (SwiGLU) matrices.  Biases and norms are left out: their FLOPs
     are ``O(h)`` per token.  In a mixture of experts a token meets its ``top_k`` routed experts, the shared

@@ -44,7 +44,8 @@ from labkit.costmodel import hardware
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPU, mfu, model_flops_per_step
 from labkit.costmodel.context import cp_buffer_bytes, cp_saved_extra_bytes
-from labkit.costmodel.memory import TransformerShape, activation_bytes, memory_per_rank
+from labkit.costmodel.memory import activation_bytes, memory_per_rank
+from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.stages import chunk_layers, rank_expert_parameters, rank_parameters
 from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
 

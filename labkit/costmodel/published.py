@@ -143,8 +143,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from labkit.costmodel.compute import GPUS, model_flops_per_step, narayanan_flops
-from labkit.costmodel.memory import TransformerShape
 from labkit.costmodel.planner import Cluster, layout_memory
+from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.step import Layout
 
 MEGATRON_README = ("NVIDIA, Megatron-LM README, 'Performance Benchmarking' (commit f2e5db402c, 2024-07-15, "

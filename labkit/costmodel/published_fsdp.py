@@ -15,7 +15,7 @@ one at which the table runs more than one node): 20 rows, seven model sizes.
 
 **The models** (the yamls: ``d_model``, ``n_heads``, ``n_layers``, ``expansion_ratio: 4``, ``vocab_size:
 50368``): GPT blocks with a GELU MLP of ``4h``, LayerNorm and biases, a learned position table of 2,048 rows
-and the output layer tied to the embedding; labkit's :class:`~labkit.costmodel.memory.TransformerShape` so
+and the output layer tied to the embedding; labkit's :class:`~labkit.costmodel.shapes.TransformerShape` so
 built counts exactly the table's ``NumParams`` for all seven (tested).  No dropout (MPT's defaults).
 
 **The measurement**: the table's throughput in tokens a second a GPU.  labkit's MFU of a row is that times
@@ -35,8 +35,8 @@ where labkit reduces them once a step: the two differ only in the rows with ``m 
 from __future__ import annotations
 
 from labkit.costmodel.compute import model_flops_per_step
-from labkit.costmodel.memory import TransformerShape
 from labkit.costmodel.published import PublishedRun
+from labkit.costmodel.shapes import TransformerShape
 
 MOSAIC_README = ("MosaicML, llm-foundry, scripts/train/benchmarking/README.md, 'H100 80GB BF16' (commit 061f2c7c), "
                  "https://github.com/mosaicml/llm-foundry")

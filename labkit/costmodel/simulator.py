@@ -38,7 +38,7 @@ from typing import Any
 
 from labkit.costmodel.collectives import ring_all_gather_cost, ring_all_reduce_cost, ring_reduce_scatter_cost
 from labkit.costmodel.compute import mfu, model_flops_per_step
-from labkit.costmodel.memory import num_parameters
+from labkit.costmodel.shapes import num_parameters
 from labkit.costmodel.step import SCHEDULES, Hardware, Layout, _link, schedule_table, stage_times
 from labkit.parallel.pipeline.schedule import Action, _inputs
 

@@ -214,7 +214,7 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
                  overlap_tp: bool = False, stage_layers: tuple[int, ...] | None = None,
                  head_on_last_stage: bool = True, sequence_parallel: bool = True,
                  reshard_after_forward: bool = True) -> StepTime:
-    """One training step of ``shape`` (a :class:`labkit.costmodel.memory.TransformerShape`) under ``layout`` on
+    """One training step of ``shape`` (a :class:`labkit.costmodel.shapes.TransformerShape`) under ``layout`` on
     ``hardware``, each term apart (:class:`StepTime`).
 
     - **compute and TP**, chunk by chunk (:func:`labkit.costmodel.stages.chunk_costs`): each chunk's layers,

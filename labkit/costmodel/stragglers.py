@@ -113,7 +113,7 @@ def sync_update_s(workers: int, compute_s: float, message_s: float = 0.0, expone
     _non_negative(compute_s=compute_s, message_s=message_s, exponential_mean_s=exponential_mean_s, slow_s=slow_s)
     if exponential_mean_s > 0 and slow_s > 0:
         raise ValueError(f"the closed form takes one kind of straggler at a time, got exponential_mean_s="
-                         f"{exponential_mean_s} and slow_s={slow_s}; simulate both (labkit.parallel.ps_simulate)")
+                         f"{exponential_mean_s} and slow_s={slow_s}; simulate both (labkit.parallel.parameter_server.simulate)")
     delay = expected_kth_fastest_s(workers - backup_workers, workers, exponential_mean_s)
     if backup_workers == 0:
         delay += slow_s

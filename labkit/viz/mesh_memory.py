@@ -61,7 +61,8 @@ import numpy
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from labkit.costmodel.memory import TransformerShape, activation_bytes, memory_per_rank, num_parameters
+from labkit.costmodel.memory import activation_bytes, memory_per_rank
+from labkit.costmodel.shapes import TransformerShape, num_parameters
 from labkit.mesh import _check_degrees
 from labkit.viz.mesh_plots import MEMORY_PARTS, plot_mesh
 

@@ -8,7 +8,7 @@ times slower.  :func:`group_links` works that out for every dimension and :func:
 up to 64 ranks: the drawing is scaled to fit a notebook's width (at most :data:`DRAWING_WIDTH` inches, so the
 notebook shows it at full size) and never below :data:`MIN_INCHES_PER_UNIT`, where the rank labels, at
 :data:`RANK_FONTSIZE` points, still fit their boxes; more nodes go to more rows.  :func:`plot_step_parts` draws
-a traced 3D step per rank (``labkit.parallel.step_parts.step_breakdown``) beside a model of it.  Whether a
+a traced 3D step per rank (``labkit.parallel.parallelize.timing.step_breakdown``) beside a model of it.  Whether a
 layout *fits* is :mod:`labkit.viz.mesh_memory`'s.
 
 The conventions are ``labkit.viz.plots``': data in, ``matplotlib.figure.Figure`` out, nothing run, no process
@@ -232,7 +232,7 @@ def _edge_point(centre: tuple[float, float], towards: tuple[float, float], half_
     return centre[0] + scale * dx, centre[1] + scale * dy
 
 
-# step_breakdown's parts (labkit.parallel.step_parts), and a model's: the simulator times an action with the
+# step_breakdown's parts (labkit.parallel.parallelize.timing), and a model's: the simulator times an action with the
 # tensor-parallel all-reduces inside it, as the trace does, so its "F and B" is compute + TP communication, drawn
 # in a colour of its own (not compute's) and named so in the legend (MODEL_NAMES).
 STEP_PARTS = {"compute": "#4C72B0", "tp communication": "#DD8452", "F and B": "#DA8BC3", "bubble": "#CCB974",

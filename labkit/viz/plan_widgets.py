@@ -8,9 +8,9 @@ import ipywidgets as widgets
 from matplotlib.figure import Figure
 
 from labkit.costmodel import compute
-from labkit.costmodel.memory import MODEL_SHAPES, num_parameters
 from labkit.costmodel.planner import Cluster, plan
 from labkit.costmodel.published import MEGATRON_WEAK_SCALING
+from labkit.costmodel.shapes import MODEL_SHAPES, num_parameters
 from labkit.costmodel.validation import EFFICIENCY
 from labkit.viz import plan_plots
 from labkit.viz.plots import figure_to_png
@@ -32,7 +32,7 @@ TOP = 4
 
 def plan_explorer(model: str = "gpt3-175b", device: str = "H100 80GB", gpus: int = 512, global_batch: int = 1536,
                   seq_len: int = 2048) -> widgets.VBox:
-    """Choose a model (:data:`labkit.costmodel.memory.MODEL_SHAPES`), a device
+    """Choose a model (:data:`labkit.costmodel.shapes.MODEL_SHAPES`), a device
     (:data:`labkit.costmodel.compute.GPUS`), the number of GPUs, the global batch (sequences) and the sequence
     length: the planner's :data:`TOP` fastest layouts that fit (:func:`~labkit.viz.plan_plots.plot_plan`),
     their matrices at the efficiency fitted to published runs (:data:`labkit.costmodel.validation.EFFICIENCY`),

@@ -1,6 +1,6 @@
 """Plots of lesson 08 (a parameter server: synchronous, asynchronous, SSP, bounded delay, backup workers).
 
-:func:`plot_ps_timeline` draws a simulated run (``labkit.parallel.ps_simulate``): what each worker computed, on
+:func:`plot_ps_timeline` draws a simulated run (``labkit.parallel.parameter_server.simulate``): what each worker computed, on
 which version, and how long the server held it.  :func:`plot_staleness` and :func:`plot_loss_curves_ps` read
 what a launched run records (``ParameterServerRun``) as well as a simulation; :func:`plot_seconds_per_update`
 sets the simulated wall-clock per update beside ``labkit.costmodel.stragglers``' closed forms.  The functions
@@ -27,7 +27,7 @@ from matplotlib.ticker import MaxNLocator
 
 from labkit.costmodel.stragglers import Throughput, harmonic, throughput
 from labkit.parallel.parameter_server import MODES, Stragglers
-from labkit.parallel.ps_simulate import ServerTimeline, simulate_parameter_server
+from labkit.parallel.parameter_server.simulate import ServerTimeline, simulate_parameter_server
 from labkit.viz import plots
 from labkit.viz.training_plots import _smooth
 from labkit.viz.widgets import ROW, connect

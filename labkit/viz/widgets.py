@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import ipywidgets as widgets
 
 from labkit import lr
-from labkit.costmodel import collectives, compute, hardware, memory, tensor_parallel
+from labkit.costmodel import collectives, compute, hardware, memory, shapes, tensor_parallel
 from labkit.costmodel import step as step_model
 from labkit.viz import plots, tensor_plots, training_plots
 
@@ -242,7 +242,7 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
     micro-batch, sequence length and activation checkpointing -> stacked bytes per rank against a GPU; the
     chosen stage's bar is the one drawn solid and totalled."""
 
-    preset_choice = widgets.Dropdown(options=list(memory.MODEL_SHAPES), value=preset, description="model")
+    preset_choice = widgets.Dropdown(options=list(shapes.MODEL_SHAPES), value=preset, description="model")
     precision_choice = widgets.Dropdown(options=["mixed", "fp32"], value="mixed", description="precision")
     stage_slider = widgets.IntSlider(value=0, min=0, max=3, description="ZeRO stage")
     dp_slider = widgets.IntSlider(value=8, min=1, max=1024, description="DP degree")
@@ -254,8 +254,8 @@ def memory_explorer(preset: str = "llama-2-7b") -> widgets.VBox:
     verdict = widgets.HTML()
 
     def redraw() -> None:
-        shape = dataclasses.replace(memory.MODEL_SHAPES[preset_choice.value], seq_len=sequence_slider.value)
-        count = memory.num_parameters(shape)
+        shape = dataclasses.replace(shapes.MODEL_SHAPES[preset_choice.value], seq_len=sequence_slider.value)
+        count = shapes.num_parameters(shape)
         activations = memory.activation_bytes(shape, batch_slider.value, precision=precision_choice.value,
                                               flash_attention=True, checkpointing=checkpoint_box.value)
         gpu = compute.GPUS[gpu_choice.value]

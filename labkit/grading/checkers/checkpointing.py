@@ -30,7 +30,7 @@ generator and a torch seed per rank) on gloo ranks.
   sampler state as they were when save was called, in any encoding (a tensor, a list of ints, bytes): three
   ranks, three distinct pairs.
 
-``labkit.checkpoint`` and ``labkit.checkpoint_files`` are forbidden by :mod:`labkit.grading.guard`, and
+``labkit.checkpoint`` and ``labkit.checkpoint.files`` are forbidden by :mod:`labkit.grading.guard`, and
 ``torch.distributed.checkpoint`` by these checks.
 """
 

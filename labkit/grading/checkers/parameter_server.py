@@ -20,7 +20,7 @@ ever).  An SSP in its place (each gradient applied on arrival, only its worker h
    hangs fails when the launch times out; one the referee rejects fails the server's rank at once, with its hint.
 
 :mod:`labkit.grading.guard` forbids ``labkit.parallel`` as for every exercise, less the parameter server itself
-(:data:`CHECKER_TOOLS`: all ``parameter_server`` and ``ps_messages`` define but :class:`Gate`, and chunk_bounds).
+(:data:`CHECKER_TOOLS`: all ``parameter_server.runtime`` and ``.messages`` define but :class:`Gate`, and chunk_bounds).
 """
 
 from __future__ import annotations
@@ -33,8 +33,14 @@ import torch
 from labkit.grading import CheckFailed, guard
 from labkit.launch import CollectiveTimeout, RankFailed, launch
 from labkit.models import MLPConfig, TinyMLP
-from labkit.parallel import parameter_server, ps_messages
-from labkit.parallel.parameter_server import Decision, Gate, Stragglers, run_parameter_server
+from labkit.parallel.parameter_server import (
+    Decision,
+    Gate,
+    Stragglers,
+    messages,
+    run_parameter_server,
+    runtime,
+)
 
 # The first failing case is reported: 4 workers, tau = 2 first, where neither sync nor off by one can pass for it.
 CASES = [(workers, bound) for workers in (4, 3, 2, 6, 5, 1) for bound in (2, 1, 0, 3, 4)]
@@ -42,7 +48,7 @@ HUGE = 10**9  # a bound no run reaches: asynchronous training
 SEEDS = (0, 1, 2, 3)  # odd seeds: worker 0 is a straggler (arrives a fifth as often as the others)
 ARRIVALS = 40
 # The parameter server runs labkit's own code, all of it but the rule the student writes.
-CHECKER_TOOLS = tuple(f"{module.__name__}.{name}" for module in (parameter_server, ps_messages)
+CHECKER_TOOLS = tuple(f"{module.__name__}.{name}" for module in (runtime, messages)
                       for name, value in vars(module).items()
                       if getattr(value, "__module__", None) == module.__name__ and value is not Gate) \
     + ("labkit.costmodel.collectives.chunk_bounds",)

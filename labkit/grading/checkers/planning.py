@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import model_flops_per_step
-from labkit.costmodel.memory import TransformerShape, num_parameters
+from labkit.costmodel.shapes import TransformerShape, num_parameters
 from labkit.costmodel.step import Hardware, Layout, predict_step
 from labkit.grading import CheckFailed, guard
 from labkit.grading.checkers.planning_cases import MACHINES, SHAPES, SPECS

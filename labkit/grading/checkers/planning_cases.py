@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPUS
-from labkit.costmodel.memory import TransformerShape
+from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.step import Hardware
 
 SHAPES = {name: TransformerShape.preset(name) for name in ("gpt2", "gpt2-xl", "llama-2-7b", "llama-2-70b",

@@ -6,7 +6,7 @@ those pieces keeps its per-parameter state (Adam's ``exp_avg``, ``exp_avg_sq``) 
 a state is the parameters' own gather: copy each rank's pieces into a padded shard buffer, all-gather the buffers,
 unpack the rows into full tensors.  Loading is the reverse without communication: every rank reads the full
 tensors and keeps its rows.  Scalar states (Adam's ``step``) are the same on every rank and pass through.
-A replicated flat parameter's layout has one "rank" (``labkit.parallel.fsdp_units``): its rows are all of them,
+A replicated flat parameter's layout has one "rank" (``labkit.parallel.fsdp.units``): its rows are all of them,
 so it needs no gather, and a sharded checkpoint takes it (and its optimizer states) from the first rank only.
 
 The full optimizer state is what a plain optimizer over the unsharded model would hold, indexed the same way

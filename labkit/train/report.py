@@ -17,7 +17,7 @@ import torch.distributed as torch_dist
 
 from labkit import checkpoint, dist, launch
 from labkit.parallel.experts.layer import moe_layers
-from labkit.train_config import MiB, TrainConfig
+from labkit.train.config import MiB, TrainConfig
 
 
 class Stopped(Exception):

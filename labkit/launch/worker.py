@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from labkit import collective_log
+from labkit.launch import record
 
 
 class RankConfig:
@@ -35,7 +35,7 @@ class RankConfig:
                  quiet=False):
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.group_timeout, self.threads, self.stack_path, self.parent_pid = group_timeout, threads, stack_path, parent_pid
-        self.log_path = log_path  # where this rank records its collectives (collective_log.py); None: it does not
+        self.log_path = log_path  # where this rank records its collectives (record.py); None: it does not
         self.quiet = quiet  # rank_output="none": what C++ writes to the file descriptors (gloo's aborts) goes too
 
 
@@ -83,7 +83,7 @@ def rank_main(config: RankConfig, fn, args, kwargs, connection) -> None:
         torch_dist.init_process_group(config.backend, store=store, rank=config.rank,
                                       world_size=config.world_size, timeout=timeout)
         log_path = config.log_path
-        with collective_log.record_collectives(log_path) if log_path else contextlib.nullcontext():
+        with record.record_collectives(log_path) if log_path else contextlib.nullcontext():
             result = fn(*args, **kwargs)
         try:
             payload = pickle.dumps(to_cpu(result))
@@ -207,7 +207,7 @@ def read_stack_dump(path: str) -> str | None:
     except OSError:
         return None
     frames = [line.strip() for line in reversed(text.splitlines())
-              if line.strip().startswith("File ") and collective_log.__file__ not in line]  # its wrapper: noise
+              if line.strip().startswith("File ") and record.__file__ not in line]  # its wrapper: noise
     launcher = [index for index, frame in enumerate(frames) if frame.startswith(f'File "{__file__}"')]
     if launcher:
         frames = frames[launcher[-1] + 1:]

@@ -1,6 +1,6 @@
 """The collective-sequence check, part 2: compare the ranks' recorded calls; name the first place they disagree.
 
-:mod:`labkit.collective_log` records, on each rank, every collective and point-to-point call with a sequence
+:mod:`labkit.launch.record` records, on each rank, every collective and point-to-point call with a sequence
 number per process group.  Here the ranks' logs are lined up: for each group, the k-th collective of every member
 (op, tensor shapes and dtypes, root) must be the same; for each point-to-point channel (group, sender, receiver,
 tag), the k-th send must meet the k-th receive, with as many elements of the same dtype.  This is the check that
@@ -17,7 +17,7 @@ What is compared: the op; every tensor argument's dtype and shape, except those 
 list lengths only); the root of ``broadcast``/``reduce``/``gather``/``scatter`` and their object variants; the
 length of ``broadcast_object_list``'s list.  Not checked: the reduction op, devices, receives from any source (a
 channel into a rank that posts one is skipped), and what was not recorded (see
-:mod:`labkit.collective_log`).  With several disagreements, the one whose first call comes earliest in some
+:mod:`labkit.launch.record`).  With several disagreements, the one whose first call comes earliest in some
 rank's log is reported (the cause, usually; what follows it is its consequence).
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as torch_dist
 from torch.distributed import distributed_c10d as c10d
 
-from labkit.collective_log import RECEIVES, ROOTED, SENDS, Entry, read_log, recording_path
+from labkit.launch.record import RECEIVES, ROOTED, SENDS, Entry, read_log, recording_path
 
 # Arguments compared across ranks, where not all of them are: only the root holds these lists.
 COMPARED = {"gather": ("tensor",), "scatter": ("tensor",), "gather_object": (), "scatter_object_list": ()}
@@ -203,7 +203,7 @@ def check_collectives(group: Any = None, timeout_s: float = 30.0) -> int:
     """
     path = recording_path()
     if path is None:
-        raise RuntimeError("check_collectives needs recording: run inside collective_log.record_collectives(path) "
+        raise RuntimeError("check_collectives needs recording: run inside labkit.launch.record_collectives(path) "
                            "or labkit.launch.launch(..., check_collectives=True)")
     resolved = c10d._get_default_group() if group is None else group
     ranks = tuple(torch_dist.get_process_group_ranks(resolved))

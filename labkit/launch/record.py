@@ -17,7 +17,7 @@ costs an extra collective per collective.  labkit makes the same check after the
   written *before* the real op runs and with one unbuffered ``write``, so the entry of a call that hangs is on
   disk, and a parent can read it while the rank is stuck or after it was killed.  Cost: tens to hundreds of µs a
   call on a busy 2-core machine (lesson 09 measures it beside an unrecorded all-reduce).
-- :mod:`labkit.collective_check` lines the logs up, group by group and sequence number by sequence number,
+- :mod:`labkit.launch.compare` lines the logs up, group by group and sequence number by sequence number,
   and reports the first place where the members differ (``first_disagreement``), after a failed launch
   (``labkit.launch`` records on every rank by default and puts the disagreement at the head of its
   ``CollectiveTimeout`` or ``RankFailed``) or on demand inside a job (``check_collectives``).
@@ -26,7 +26,7 @@ Only calls made while recording, through these module attributes, are seen: a fu
 torch.distributed import all_reduce`` is not, nor are calls below this Python layer (functional collectives,
 DTensor, the C++ reducer of PyTorch's DDP).  torch's own nested calls (``all_gather_object`` runs an
 ``all_gather``) are recorded once, as the outer call.  ``P2POp(dist.isend, ...)`` built while recording works:
-the wrapper compares equal to the function it wraps.  What is compared: see :mod:`labkit.collective_check`.
+the wrapper compares equal to the function it wraps.  What is compared: see :mod:`labkit.launch.compare`.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ RECEIVES = ("recv", "irecv", "recv_object_list")
 RECORDED = (*COLLECTIVES, *SENDS, *RECEIVES, "batch_isend_irecv")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_LABKIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
+_LABKIT_DIR = os.path.dirname(_LAUNCH_DIR) + os.sep
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
-_LAUNCHER = (os.path.join(_LABKIT_DIR, "worker.py"), os.path.join(_LABKIT_DIR, "launch.py"))
+_LAUNCHER = (os.path.join(_LAUNCH_DIR, "worker.py"), os.path.join(_LAUNCH_DIR, "launcher.py"))
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,9 @@ needs::
     torchrun --nproc_per_node=2 --max-restarts=2 -m labkit.train --strategy ddp --steps 1000 \
         --checkpoint-dir runs/a --save-every 100 --resume latest
 
-**When something goes wrong** (:mod:`labkit.train_report`): a bad flag, a layout that cannot work, a checkpoint
+**When something goes wrong** (:mod:`labkit.train.report`): a bad flag, a layout that cannot work, a checkpoint
 directory that cannot be written or has no room for a checkpoint, a ``--resume`` of another model or number of
-ranks: one line and exit status 2, before any process starts (:mod:`labkit.train_config`).  A rank that fails:
+ranks: one line and exit status 2, before any process starts (:mod:`labkit.train.config`).  A rank that fails:
 one line naming it and its error, the traceback kept in a file (``--traceback`` prints it), exit status 1.
 ``SIGTERM`` or Ctrl-C: every rank stopped, the last checkpoint named, exit status 128 + the signal.  What a save
 killed mid-write left (a temporary file of a dead process) is removed by the next run, which says so.
@@ -88,7 +88,6 @@ import torch
 from torch import nn
 
 from labkit import checkpoint, data, dist, launch, loader, monitor, precision, trace
-from labkit import train_report as report
 from labkit.mesh import Mesh
 from labkit.models import TinyGPT, TinyMLP
 from labkit.parallel.base import ParallelWrapper, SingleProcess
@@ -97,7 +96,8 @@ from labkit.parallel.experts.model import balance_experts
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.parallelize import DP_WRAPPERS, parallelize
 from labkit.parallel.zero import ZeroDataParallel
-from labkit.train_config import (
+from labkit.train import report
+from labkit.train.config import (
     MLP_CONFIG,
     MODELS,
     PRECISIONS,
@@ -334,9 +334,9 @@ def _resume(config: TrainConfig, model: ParallelWrapper, optimizer: torch.optim.
 
 
 def _maybe_killed(step: int) -> None:
-    """The fault injection of **When something goes wrong** (:mod:`labkit.train_report`): a bad flag, a layout that cannot work, a checkpoint
+    """The fault injection of **When something goes wrong** (:mod:`labkit.train.report`): a bad flag, a layout that cannot work, a checkpoint
 directory that cannot be written or has no room for a checkpoint, a ``--resume`` of another model or number of
-ranks: one line and exit status 2, before any process starts (:mod:`labkit.train_config`).  A rank that fails:
+ranks: one line and exit status 2, before any process starts (:mod:`labkit.train.config`).  A rank that fails:
 one line naming it and its error, the traceback kept in a file (``--traceback`` prints it), exit status 1.
 ``SIGTERM`` or Ctrl-C: every rank stopped, the last checkpoint named, exit status 128 + the signal.  What a save
 killed mid-write left (a temporary file of a dead process) is removed by the next run, which says so.
@@ -390,6 +390,3 @@ def main(argv: list[str] | None = None) -> int:
               f"{results[0]['ms_per_step']:.1f} ms/step; replicas identical: {'yes' if same else 'NO'}")
     return 0 if not math.isnan(results[0]["losses"][-1]) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

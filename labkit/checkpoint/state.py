@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from labkit.checkpoint_files import (
+from labkit.checkpoint.files import (
     FORMAT,
     MANIFEST,
     CheckpointError,

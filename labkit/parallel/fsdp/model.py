@@ -62,7 +62,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from labkit.parallel import fsdp_state
 from labkit.parallel.base import (
     ParallelWrapper,
     Piece,
@@ -72,7 +71,8 @@ from labkit.parallel.base import (
     queue_end_of_backward,
     reduce_scatter_tensor,
 )
-from labkit.parallel.fsdp_units import FlatParameter, Unit, check_arguments, make_units, predicted_memory
+from labkit.parallel.fsdp import state as fsdp_state
+from labkit.parallel.fsdp.units import FlatParameter, Unit, check_arguments, make_units, predicted_memory
 from labkit.parallel.shard_layout import add_shard_gradients
 
 
@@ -111,7 +111,7 @@ class FullyShardedDataParallel(ParallelWrapper):
     ``compute_dtype``: of the gathered parameters, the inputs and the computation; ``reduce_dtype``: of the
     gradients' reduction (both default to the shards' dtype); ``units``: the modules gathered one at a time;
     ``prefetch``: start the next unit's all-gather while this one computes; ``shard_modules``: shard only the
-    parameters inside these modules (types, names or submodules; ``labkit.parallel.fsdp_units``), replicate the
+    parameters inside these modules (types, names or submodules; ``labkit.parallel.fsdp.units``), replicate the
     rest (default: shard every parameter).  Rank 0's values win.
     """
 
@@ -343,7 +343,7 @@ class FullyShardedDataParallel(ParallelWrapper):
         return {kind: count for kind, count in found.items() if count}
 
     def predicted_memory(self, optimizer: str = "adam") -> dict[str, int]:
-        """Model-state bytes this rank holds between steps, from the layout (``fsdp_units.predicted_memory``):
+        """Model-state bytes this rank holds between steps, from the layout (``units.predicted_memory``):
         what :meth:`memory_breakdown` measures after an optimizer step, less Adam's ``step`` counters."""
         return predicted_memory(self.units, self.master_dtype, self.reduce_dtype, optimizer)
 

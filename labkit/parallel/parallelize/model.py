@@ -66,7 +66,6 @@ from labkit.costmodel.context import cp_messages
 from labkit.dist import global_rank
 from labkit.mesh import Mesh, _check_degrees
 from labkit.models import GPTConfig, TinyGPT
-from labkit.parallel import parallelize_state as threed_state
 from labkit.parallel.base import ParallelWrapper, Piece
 from labkit.parallel.context.attention import ContextParallelGroup
 from labkit.parallel.context.layout import check_sequence
@@ -75,12 +74,12 @@ from labkit.parallel.ddp import DistributedDataParallel
 from labkit.parallel.experts.layer import is_expert_parallel
 from labkit.parallel.experts.model import ExpertsIn3D, balance_experts, check_expert_layout
 from labkit.parallel.fsdp import FullyShardedDataParallel
+from labkit.parallel.parallelize import state as threed_state
 from labkit.parallel.pipeline import schedule as schedules
 from labkit.parallel.pipeline.catalog import SCHEDULES, SPLIT_BACKWARD, stages_per_rank
 from labkit.parallel.pipeline.runtime import run_schedule
 from labkit.parallel.pipeline.simulate import Timeline
 from labkit.parallel.pipeline.stage import PipelineStage, split_stages
-from labkit.parallel.step_parts import PARTS, step_breakdown  # noqa: F401 (lesson 10 imports them from here)
 from labkit.parallel.tensor.transformer import TensorParallel, check_tensor_parallel_sizes
 from labkit.parallel.zero import ZeroDataParallel
 

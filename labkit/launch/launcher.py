@@ -29,13 +29,13 @@ How it works, and what it guarantees:
   the other ranks are stopped.  Ranks that do not finish within ``timeout`` seconds (typically: stuck in a
   collective that not every rank called) become :class:`CollectiveTimeout`, naming the stuck ranks and the
   line each was stuck on.  Either way no process of the launch is left alive.  With ``check_collectives=True``
-  each rank records the collectives it calls (:mod:`labkit.collective_log`, tens to hundreds of µs a call: off by
+  each rank records the collectives it calls (:mod:`labkit.launch.record`, tens to hundreds of µs a call: off by
   default, so that timings stay comparable with PyTorch's); when the ranks disagree (a collective only some call, another
   order, other shapes), the error opens with the first disagreement.
 - **torchrun.** When this process is already one rank of a job (``RANK``/``WORLD_SIZE`` set, or a default
   process group exists), ``launch`` runs ``fn`` in place and all-gathers the results, so notebook code runs
   unchanged under ``torchrun --nproc_per_node=8`` (recording is then not armed: wrap ``fn``'s body in
-  ``collective_log.record_collectives`` for that).
+  ``labkit.launch.record_collectives`` for that).
 """
 
 from __future__ import annotations
@@ -55,15 +55,16 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from labkit import collective_check, dist, worker
-from labkit.worker import RankConfig, rank_main, send_quietly, to_cpu
+from labkit import dist
+from labkit.launch import compare, worker
+from labkit.launch.worker import RankConfig, rank_main, send_quietly, to_cpu
 
 RANK_OUTPUT_MODES = ("live", "grouped", "none")
 
 
 class LaunchError(RuntimeError):
     """Base class for a launch that did not complete on every rank.  ``.disagreement``: where the ranks' sequences
-    of collectives first differed (:class:`labkit.collective_check.Disagreement`), or ``None``."""
+    of collectives first differed (:class:`labkit.launch.compare.Disagreement`), or ``None``."""
 
     disagreement = None
 
@@ -275,7 +276,7 @@ class _Launcher:
                 stuck = [rank for rank in range(self.nprocs) if rank not in finished]
                 stacks = self._stacks_of(stuck)
                 error = CollectiveTimeout(self.timeout, stuck, sorted(finished), stacks, self.pids)
-                raise collective_check.explain(error, {rank: self._log(rank) for rank in range(self.nprocs)})
+                raise compare.explain(error, {rank: self._log(rank) for rank in range(self.nprocs)})
             limits = [limit - now for limit in (deadline, grace_end) if limit is not None]
             open_ranks = [rank for rank in range(self.nprocs) if rank not in finished and rank not in failures]
             sentinels = {self.processes[rank].sentinel: rank for rank in open_ranks}
@@ -300,7 +301,7 @@ class _Launcher:
             culprit = _root_cause(failures)
             others = sorted(set(failures) - {culprit})
             error = RankFailed(culprit, failures[culprit][0], self.pids, others)
-            raise collective_check.explain(error, {rank: self._log(rank) for rank in range(self.nprocs)}, failures)
+            raise compare.explain(error, {rank: self._log(rank) for rank in range(self.nprocs)}, failures)
         return results
 
     def _take(self, rank: int, results: list[Any], finished: set[int], failures: dict) -> None:

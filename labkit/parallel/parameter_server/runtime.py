@@ -7,7 +7,7 @@ has applied), computes a gradient on its own batch, and sends it back with the v
 server decides when to apply it.  Everything travels as ``send``/``recv`` over the ordinary process group (gloo
 or NCCL), not ``torch.distributed.rpc``: one message each way per gradient, ``[version, loss, step]`` followed by
 the flat gradient (worker to server), ``[version]`` followed by the flat weights (server to worker; version ``-1``
-tells the worker to stop).  The messages and the worker's loop are in :mod:`labkit.parallel.ps_messages`.
+tells the worker to stop).  The messages and the worker's loop are in :mod:`labkit.parallel.parameter_server.messages`.
 
 **Sharded** (``servers=k``, Dean et al. 2012's Downpour): group ranks ``0 .. k-1`` are servers, the ``N = world -
 k`` others workers.  The flat weights are cut into ``k`` contiguous shards of near-equal length (the first ``numel
@@ -57,7 +57,7 @@ distributed delay on every step, drawn from a generator seeded per worker.  The 
 receives (:class:`Received`): applied (with its staleness) or dropped (a backup's late gradient, or one that
 arrives after the last update).  When the budget of updates is spent the server stops each worker at its next
 message; it never waits for ever (``timeout_s`` without any message raises ``TimeoutError``, which ``launch``
-reports as a failed rank; with ``k`` servers, :mod:`labkit.parallel.ps_messages` says why none waits on another).
+reports as a failed rank; with ``k`` servers, :mod:`labkit.parallel.parameter_server.messages` says why none waits on another).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ from labkit.costmodel.collectives import chunk_bounds
 from labkit.costmodel.stragglers import MODES
 from labkit.dist import global_rank, require_group
 from labkit.models import TinyGPT
-from labkit.parallel.ps_messages import STOP, Inbox, load, receive_shard, send_shard, work
+from labkit.parallel.parameter_server.messages import STOP, Inbox, load, receive_shard, send_shard, work
 
 __all__ = ["MODES", "STOP", "Decision", "Gate", "ParameterServerRun", "Received", "ShardRecord", "Stragglers",
            "run_parameter_server"]

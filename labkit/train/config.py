@@ -18,7 +18,8 @@ import torch
 
 from labkit import checkpoint, dist, monitor
 from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
-from labkit.parallel.parallelize import SCHEDULES, check_3d
+from labkit.parallel.parallelize import check_3d
+from labkit.parallel.pipeline.catalog import SCHEDULES
 
 STRATEGY_NAMES = ("single", "ddp", "zero1", "zero2", "fsdp")  # labkit.train.STRATEGIES' keys
 MODELS = ("tiny-gpt", "tiny-mlp")

@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from labkit.parallel.parameter_server import Gate, Received, Stragglers, _check
+from labkit.parallel.parameter_server.runtime import Gate, Received, Stragglers, _check
 
 __all__ = ["ServerTimeline", "clock_gap", "simulate_parameter_server"]
 
