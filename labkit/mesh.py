@@ -66,7 +66,9 @@ FLATTENED = {"dp_cp": ("dp", "cp")}  # groups over several dimensions at once: t
 EXPERT_GROUPS = ("ep", "edp")  # expert parallelism, folded over dp x cp: the all-to-all's, the experts' replicas
 
 
-def _check_degrees(dp: object, tp: object, pp: object, cp: object = 1) -> dict[str, int]:
+def check_degrees(dp: object, tp: object, pp: object, cp: object = 1) -> dict[str, int]:
+    """The one check of the mesh's degrees: each a positive integer, or ``ValueError`` naming it.  Returns them
+    by dimension."""
     degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     for name, value in degrees.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -91,7 +93,7 @@ def mesh_coordinates(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp:
     Raises ``ValueError`` naming the sizes when ``dp * cp * tp * pp != world_size`` or a degree is not a positive
     integer.
     """
-    degrees = _check_degrees(dp, tp, pp, cp)
+    degrees = check_degrees(dp, tp, pp, cp)
     _check_world_size(world_size, degrees)
     return [{"pp": rank // (dp * cp * tp), "dp": rank // (cp * tp) % dp, "cp": rank // tp % cp, "tp": rank % tp}
             for rank in range(world_size)]
@@ -127,7 +129,7 @@ def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int 
 def describe_layout(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> str:
     """A table of every rank's coordinates, then each dimension's groups (no process group needed).  The cp
     column and groups appear when ``cp > 1``, the ep and edp groups when ``ep > 1``."""
-    _check_degrees(dp, tp, pp, cp)
+    check_degrees(dp, tp, pp, cp)
     world_size = dp * cp * tp * pp
     coordinates = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
     shown = [dim for dim in DIMS if dim != "cp" or cp > 1]
@@ -150,7 +152,7 @@ class Mesh:
     """
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
-        degrees = _check_degrees(dp, tp, pp, cp)
+        degrees = check_degrees(dp, tp, pp, cp)
         check_ep(ep, dp, cp)
         require_group()
         _check_world_size(torch_dist.get_world_size(), degrees)

@@ -15,8 +15,8 @@ from labkit.costmodel.compute import GPUS, head_flops, layer_flops, mfu, model_f
 from labkit.costmodel.planner import Cluster, candidates
 from labkit.costmodel.shapes import TransformerShape, num_parameters
 from labkit.costmodel.stages import chunk_parameters, link_of, rank_parameters
-from labkit.costmodel.step import Hardware, Layout, lower_bound, predict_step, schedule_table
-from labkit.costmodel.timeline import _integer_orders, compile_schedule, place
+from labkit.costmodel.step import Hardware, Layout, lower_bound, place_schedule, predict_step
+from labkit.parallel.pipeline import catalog
 from labkit.parallel.pipeline.simulate import simulate
 
 FREE = LinkModel(0.0, 1e-30)
@@ -80,28 +80,26 @@ def test_interleaving_shrinks_the_balanced_bubble_v_fold(v):
     assert step.bubble_s == pytest.approx(7 * whole / v, rel=1e-9)
 
 
-def test_the_compiled_placement_is_the_pipeline_simulators():
-    """labkit.costmodel.timeline places each rank's order as labkit.parallel.pipeline.simulate does (every pass's
-    start and end, uneven chunks and sends), from the same orders as the schedule generators'."""
+def test_the_step_model_places_the_catalogs_orders_as_the_pipeline_simulator_does():
+    """labkit.costmodel.step places each rank's order from the schedules' one definition (catalog.ORDERS, the
+    orders the tables are built from), through the engine that simulate uses: every pass's start and end equal,
+    with uneven chunks and sends."""
     generator = random.Random(0)
     for schedule, p, m, v in (("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 3, 1), ("zb-h1", 6, 12, 1),
-                              ("zb-h1", 5, 3, 1), ("interleaved", 4, 16, 4), ("interleaved", 2, 4, 3)):
-        table = schedule_table(schedule, p, m, v)
-        assert _integer_orders(schedule, p, m, v) == [[(a.stage, "FBIW".index(a.kind), a.microbatch) for a in order]
-                                                      for order in table.orders()]
-        forward = [generator.random() for _ in range(p * v)]
-        backward = [2 * generator.random() for _ in range(p * v)]
+                              ("zb-h1", 5, 3, 1), ("interleaved", 4, 16, 4), ("interleaved", 2, 4, 3),
+                              ("interleaved-zb", 3, 6, 2), ("zb-v", 3, 7, 2), ("dualpipev", 3, 8, 2)):
+        table = catalog.SCHEDULES[schedule](p, m, v)
+        assert catalog.ORDERS[schedule](p, m, v).orders() == table.orders()
+        stages = table.stages
+        forward = [generator.random() for _ in range(stages)]
+        backward = [2 * generator.random() for _ in range(stages)]
         for send in (0.0, 0.05):
             simulated = simulate(table, forward, backward, send_s=send)
-            starts, ends = place(compile_schedule(schedule, p, m, v), forward, backward, send)
+            placed = place_schedule(schedule, p, m, v, forward, backward, send)
             events = {action: (start, end) for row in simulated.events for start, end, action in row}
-            actions = [action for order in table.orders() for action in order]
-            assert all(events[a] == pytest.approx((starts[i], ends[i]), abs=1e-12) for i, a in enumerate(actions))
-            assert max(ends) == pytest.approx(simulated.total, abs=1e-12)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Data parallelism: buckets on the timeline, NCCL's latencies, a NIC per GPU, the slowdown of hidden compute
+            assert all(events[a] == pytest.approx(placed.span(i), abs=1e-12)
+                       for i, a in enumerate(placed.compiled.actions))
+            assert placed.makespan == pytest.approx(simulated.total, abs=1e-12)
 
 
 def test_the_reduction_is_never_all_hidden_and_its_latency_grows_with_the_group():

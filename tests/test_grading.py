@@ -465,12 +465,13 @@ def test_the_pipeline_hints_say_what_went_wrong_in_the_students_terms(name, chec
 
 
 def test_the_guard_refuses_labkits_rule_but_leaves_its_parameter_server_working():
-    from labkit.parallel.parameter_server import Decision, Gate, Stragglers, _check
+    from labkit.parallel.parameter_server import Decision, Gate, Stragglers
+    from labkit.parallel.parameter_server.runtime import check_arguments
 
     with guard.forbid(library=guard.LABKIT_IMPLEMENTATIONS, allow=parameter_server_checks.CHECKER_TOOLS):
         with pytest.raises(guard.Forbidden, match="Gate.__init__, labkit's own implementation"):
             Gate("bounded_delay", 2, max_delay=1)
-        _check("bounded_delay", 3, 0.1, None, 0, 2, 1)  # run_parameter_server's argument check (the launched check)
+        check_arguments("bounded_delay", 3, 0.1, None, 0, 2, 1)  # run_parameter_server's argument check (the launched check)
         stragglers = Stragglers(slow={0: 0.25})
         assert stragglers.delay(0, stragglers.generator(0)) == 0.25 and Decision(apply=(1,)).apply == (1,)
     assert Gate("bounded_delay", 2, max_delay=1).arrive(0, 0) == Decision(apply=(0,), release=(0,))
@@ -514,7 +515,7 @@ def test_the_reference_plays_reach_the_bound_so_an_answer_off_by_one_has_somewhe
     ("parameter_server_never_releases", 2, ["on 4 launched ranks (worker 0 slow), 3 workers, tau=1",
                                             "applied but never released"]),
     ("parameter_server_lenient", 2, ["on 4 launched ranks (worker 0 slow), 3 workers, tau=1", "is 2 updates behind"]),
-    ("parameter_server_labkit_gate", 2, ["rank 0 used labkit.parallel.parameter_server.Gate.__init__, labkit's own"]),
+    ("parameter_server_labkit_gate", 2, ["rank 0 used labkit.parallel.parameter_server.runtime.Gate.__init__, labkit's own"]),
     ("parameter_server_releases_on_the_old_version", 1, ["yours holds. Your self.computing says {0: 2, 2: 1, 3: 2}: a "
                                                          "worker released by an update computes on the version that "
                                                          "update made"]),
@@ -770,12 +771,14 @@ def test_the_planning_guard_refuses_labkits_step_model_planner_and_ring_costs_bu
     case = planning_checks.CASES[0]
     cluster = planner.Cluster(GPUS["A100 80GB"], 8)
     code = step.predict_step.__code__
-    from labkit.costmodel import stages, timeline
+    from labkit.costmodel import stages
+    from labkit.parallel.pipeline import catalog, engine
 
     calls = [lambda: step.predict_step(case.shape, case.layout, case.global_batch, case.hardware),
              lambda: step.stage_times(case.shape, case.layout, case.global_batch, case.hardware),
              lambda: stages.chunk_costs(case.shape, case.layout, case.hardware),
-             lambda: timeline.place(timeline.compile_schedule("1f1b", 2, 2), [1.0, 1.0], [2.0, 2.0]),
+             lambda: step.place_schedule("1f1b", 2, 2, 1, [1.0, 1.0], [2.0, 2.0]),
+             lambda: engine.place(catalog.compiled("1f1b", 2, 2), [1.0] * 8),
              lambda: step.closed_form_makespan("1f1b", 4, 8, 1.0, 2.0),
              lambda: simulator.simulate_step(case.shape, case.layout, case.global_batch, case.hardware),
              lambda: planner.plan(case.shape, cluster, 8), lambda: collectives.ring_all_reduce_cost(64, 4),

@@ -1,4 +1,5 @@
-"""The library's layout holds: short modules, no import cycle, layers importing downwards, public names only.
+"""The library's layout holds: modules of one concept, no import cycle, layers importing downwards, public names
+across modules.
 
 The layers (DESIGN.md): what needs no process group at the bottom (the analytical models of
 ``labkit.costmodel``, pure arithmetic, and the workloads they describe: ``models``, ``data``), then the runtime
@@ -35,6 +36,7 @@ LAYERS = [  # lowest first; a module's layer is the first prefix that matches
     # that TinyGPT's blocks hold (router, permutation, layer: one process; expert parallelism is a layer above).
     ("workloads and models", ("labkit.costmodel", "labkit.data", "labkit.models", "labkit.parallel.pipeline.schedule",
                               "labkit.parallel.pipeline.zero_bubble", "labkit.parallel.pipeline.catalog",
+                              "labkit.parallel.pipeline.engine",
                               "labkit.parallel.pipeline.simulate", "labkit.parallel.context.layout",
                               "labkit.parallel.experts.router", "labkit.parallel.experts.permute",
                               "labkit.parallel.experts.layer")),
@@ -115,6 +117,34 @@ def test_there_is_no_import_cycle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def _private_reaches(path: Path) -> list[str]:
+    """``from labkit.x import _name`` and ``module._name`` where ``module`` is a labkit module imported by name."""
+    tree = ast.parse(path.read_text())
+    modules, found = _modules(), []
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("labkit"):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+                if f"{node.module}.{alias.name}" in modules:
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            aliases.update({alias.asname or alias.name: alias.name for alias in node.names
+                            if alias.name.startswith("labkit")})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            found.append(f"line {node.lineno}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_no_module_reaches_another_modules_private_names(module):
+    """A name another module needs is public where it is defined (or the code moves to where it is used)."""
+    assert not _private_reaches(_modules()[module]), _private_reaches(_modules()[module])
 
 
 PRIVATE = re.compile(r"from labkit[\w.]* import [^\n]*\b_\w+|\blabkit(?:\.\w+)*\._\w+|\b(?:plots|widgets|lr|measure|"

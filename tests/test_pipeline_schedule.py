@@ -22,7 +22,8 @@ from labkit.parallel.pipeline import (
     validate,
     zb_h1,
 )
-from labkit.parallel.pipeline.schedule import _execute
+from labkit.parallel.pipeline.engine import place
+from labkit.parallel.pipeline.schedule import compile_schedule
 
 SIZES = [(1, 1), (1, 3), (2, 2), (2, 5), (3, 3), (4, 8), (4, 2), (5, 7)]
 INTERLEAVED = [(1, 3, 2), (2, 2, 4), (2, 4, 2), (3, 6, 2), (4, 4, 3), (4, 8, 2), (4, 4, 1)]
@@ -110,12 +111,16 @@ def test_replay_places_each_action_with_its_own_duration(schedule):
     def duration(action):
         return {"F": 1, "B": 2, "I": 1, "W": 1}[action.kind] + (3 if action.kind in "BI" and action.microbatch == 1
                                                                else 0)
-    events = _execute(schedule, duration, send_s=Fraction(1, 2))
+    def run(send_s=0):  # the engine, each action lasting its own duration
+        compiled = compile_schedule(schedule)
+        return place(compiled, [duration(action) for action in compiled.actions], send_s).events()
+
+    events = run(send_s=Fraction(1, 2))
     late = Timeline(schedule, events, max(row[-1][1] for row in events), simulated.peak_activations)
     again = replay(late)
     assert again.busy == late.busy and again.total < late.total and again.bubble_fraction < late.bubble_fraction
     assert again.total >= simulated.total + 3  # the slow backwards are kept, and whatever waits on them waits
-    assert again.events == _execute(schedule, duration) and replay(late, send_s=Fraction(1, 2)) == late
+    assert again.events == run() and replay(late, send_s=Fraction(1, 2)) == late
     with pytest.raises(ValueError, match="no duration for"):
         replay(Timeline(schedule, [row[:-1] for row in simulated.events], simulated.total, [0]))
 

@@ -288,14 +288,15 @@ def test_fsdp_and_short_batches_are_refused_before_any_process():
 
 @pytest.mark.parametrize("name", ["interleaved-zb", "zb-v", "dualpipev"])
 def test_the_step_models_timeline_is_the_simulators(name):
-    from labkit.costmodel.timeline import pipeline
+    from labkit.costmodel.step import place_schedule
     from labkit.parallel.pipeline.catalog import SCHEDULES
     for p in (2, 3, 4):
         for m in (2 * p, 3 * p):
             forward = [1.0 + 0.1 * c for c in range(2 * p)]  # uneven chunks, and a send
             backward = [2.0 + 0.3 * c for c in range(2 * p)]
             simulated = simulate(SCHEDULES[name](p, m, 2), forward, backward, send_s=0.05)
-            assert pipeline(name, p, m, 2, forward, backward, 0.05).total == pytest.approx(simulated.total, abs=1e-9)
+            assert place_schedule(name, p, m, 2, forward, backward, 0.05).makespan == pytest.approx(simulated.total,
+                                                                                     abs=1e-9)
 
 
 def test_the_closed_form_bounds_the_simulator_and_is_exact_for_interleaved_zb():

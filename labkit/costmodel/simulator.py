@@ -39,8 +39,10 @@ from typing import Any
 from labkit.costmodel.collectives import ring_all_gather_cost, ring_all_reduce_cost, ring_reduce_scatter_cost
 from labkit.costmodel.compute import mfu, model_flops_per_step
 from labkit.costmodel.shapes import num_parameters
-from labkit.costmodel.step import SCHEDULES, Hardware, Layout, _link, schedule_table, stage_times
-from labkit.parallel.pipeline.schedule import Action, _inputs
+from labkit.costmodel.stages import link_of
+from labkit.costmodel.step import SCHEDULES, Hardware, Layout, stage_times
+from labkit.parallel.pipeline import catalog
+from labkit.parallel.pipeline.schedule import Action
 
 PARTS = ("compute", "tp", "bubble", "pp send", "dp", "zero", "optimizer")
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -104,38 +106,34 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
     d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
     m, v, forward, backward, tp_forward, tp_backward = stage_times(shape, layout, global_batch, hardware, value_bytes)
     gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
-    table = schedule_table(layout.schedule, p, m, v)
-    orders = table.orders()
-    backward_kind = {(a.stage, a.microbatch): a.kind for order in orders for a in order if a.kind in "BI"}
-    split = any(a.kind == "W" for order in orders for a in order)
+    compiled = catalog.compiled(layout.schedule, p, m, v)  # the orders, and who waits for whom (the engine's)
+    orders = [[compiled.actions[i] for i in compiled.rank_ids(rank)] for rank in range(p)]
+    stages = len(compiled.stage_ranks)
     # one chunk's (1/v of a rank's layers) compute and TP seconds per pass
     compute = {"F": forward / v, "B": backward / v, "I": backward / v / 2, "W": backward / v / 2}
     comm = {"F": tp_forward / v, "B": tp_backward / v, "I": tp_backward / v, "W": 0.0}
-    send_link = _link(hardware, d * t, p)
+    send_link = link_of(hardware, d * t, p)
     send_s = send_link.alpha_s + b * shape.seq_len * shape.hidden_size * value_bytes * send_link.beta_s_per_byte \
         if p > 1 else 0.0
     # data parallelism: this rank's gradients (v chunks), in buckets; ZeRO's gathers of its weights
     local = num_parameters(shape) / (t * p)
-    dp_link = _link(hardware, t, d)
+    dp_link = link_of(hardware, t, d)
     reduce_cost = ring_reduce_scatter_cost if layout.zero >= 1 else ring_all_reduce_cost  # ZeRO-1 too (ZeRO, 7.2.1)
     chunk_bytes = local * gradient_bytes / v
     buckets = max(1, math.ceil(chunk_bytes / bucket_bytes))
     bucket_s = reduce_cost(_words(chunk_bytes / buckets), d, dp_link).time_s if d > 1 else 0.0
     gather_s = ring_all_gather_cost(_words(local * value_bytes / v), d, dp_link).time_s if d > 1 else 0.0
-    last_gradient = {}  # stage -> its last gradient-producing pass (B, or W when split)
-    for order in orders:
-        for action in order:
-            if action.kind in ("W" if split else "B"):
-                last_gradient[action.stage] = action
-    ids = {action: index for index, action in enumerate(a for order in orders for a in order)}
+    # stage -> its last gradient-producing pass (its last B, or W when split)
+    last_gradient = {stage: compiled.actions[i] for stage, i in enumerate(compiled.last_gradient) if i >= 0}
+    ids = {action: index for index, action in enumerate(compiled.actions)}
     shared = hardware.straggle if hardware.cores is not None else ()  # on GPUs every rank has its own device
     tp_straggle, dp_straggle = (straggle_factor(shared, n) for n in (t, d))
     ranks: list[_Rank] = []
-    for rank, order in enumerate(orders):
+    for order in orders:
         segments: list[tuple] = []
         for index, action in enumerate(order):
-            needs = tuple((ids[need], table.rank_of(need.stage) == rank)
-                          for need in _inputs(action, table.stages, backward_kind))
+            # what it waits for on other ranks (an input on its own rank ran before it, in its order)
+            needs = tuple((need, False) for need in compiled.inputs[ids[action]])
             segments.append(("wait", action, needs))
             if layout.zero == 3 and d > 1 and action.kind != "W":
                 segments.append(("gather", index))
@@ -256,9 +254,9 @@ def simulate_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardw
         passes_left[rank] -= 1
         events += 1
         for consumer_stage in (action.stage + 1, action.stage - 1):
-            if not 0 <= consumer_stage < table.stages:
+            if not 0 <= consumer_stage < stages:
                 continue
-            consumer = table.rank_of(consumer_stage)
+            consumer = compiled.stage_ranks[consumer_stage]
             wanted = (action.kind == "F" and consumer_stage == action.stage + 1) or (
                 action.kind in "BI" and consumer_stage == action.stage - 1)
             if not wanted:

@@ -74,8 +74,11 @@ class Layout:
         return stage_rank(chunk, self.pp, "v" if self.schedule in V_SHAPED else "loop")
 
     def chunks_of(self, rank: int) -> list[int]:
-        """The chunks pipeline rank ``rank`` holds, in order."""
-        return [chunk for chunk in range(self.chunks) if self.rank_of(chunk) == rank]
+        """The chunks pipeline rank ``rank`` holds, in order: ``rank, rank + p, ...``, or in a V ``rank`` and
+        ``2p - 1 - rank``."""
+        if self.schedule in V_SHAPED:
+            return [rank, 2 * self.pp - 1 - rank]
+        return list(range(rank, self.chunks, self.pp))
 
     def label(self) -> str:
         extra = f" v={self.virtual_stages}" if self.schedule.startswith("interleaved") else ""
@@ -144,7 +147,9 @@ def link_of(hardware: Hardware, stride: int, size: int) -> LinkModel:
                      max(hardware.inter_node.beta_s_per_byte / members, hardware.intra_node.beta_s_per_byte))
 
 
-def _check_divides(shape: Any, layout: Layout, global_batch: int, stage_layers: tuple[int, ...] | None) -> None:
+def check_divides(shape: Any, layout: Layout, global_batch: int, stage_layers: tuple[int, ...] | None) -> None:
+    """Raise ``ValueError`` naming the degree that does not divide what it cuts: the global batch, the experts,
+    the sequence, the layers."""
     d, b = layout.dp, layout.micro_batch
     if global_batch % (d * b):
         raise ValueError(f"the global batch {global_batch} must split into dp={d} replicas of micro-batches of "
@@ -297,7 +302,7 @@ def stage_times(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
     if extra:
         raise ValueError(f"the event simulator runs dp x tp x pp layouts: {' and '.join(extra)} "
                          f"{'is' if len(extra) == 1 else 'are'} priced by predict_step")
-    _check_divides(shape, layout, global_batch, None)
+    check_divides(shape, layout, global_batch, None)
     v = layout.chunks // layout.pp
     costs = chunk_costs(shape, layout, hardware, value_bytes, head_on_last_stage=False)
     forward, backward, tp_forward, tp_backward = costs.rank_totals(layout)[0]

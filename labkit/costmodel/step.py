@@ -24,7 +24,7 @@ from labkit.costmodel.shapes import expert_parameters, num_parameters
 from labkit.costmodel.stages import (  # Layout, Hardware and stage_times are imported from here by many
     Hardware,
     Layout,
-    _check_divides,
+    check_divides,
     chunk_costs,
     chunk_layers,
     chunk_moe_layers,
@@ -32,13 +32,12 @@ from labkit.costmodel.stages import (  # Layout, Hardware and stage_times are im
     link_of,
     stage_times,
 )
-from labkit.costmodel.timeline import Pipeline, pipeline
-from labkit.parallel.pipeline import schedule as schedules  # pure data and arithmetic (tests/test_layout.py)
+from labkit.parallel.pipeline import catalog  # pure data and arithmetic (tests/test_layout.py)
 from labkit.parallel.pipeline.catalog import SCHEDULES, SPLIT_BACKWARD
+from labkit.parallel.pipeline.engine import Placement, place
 
 __all__ = ["DataParallelStep", "Hardware", "Layout", "StepTime", "closed_form_makespan", "ddp_step_time",
-           "predict_step", "schedule_table", "stage_times"]
-_link = link_of  # the simulator's name for it
+           "place_schedule", "predict_step", "stage_times"]
 
 
 @dataclass(frozen=True)
@@ -123,14 +122,16 @@ class StepTime:
                 **({"ep": self.ep_s} if self.layout.ep > 1 else {})}
 
 
-@functools.lru_cache(maxsize=64)
-def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> schedules.Schedule:
-    """The schedule's table (a name of :data:`~labkit.parallel.pipeline.catalog.SCHEDULES`), built once per
-    ``(p, m, v)``: the planner prices hundreds of layouts that share one, and building one of thousands of
-    passes takes a while."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
-    return SCHEDULES[schedule](p, m, v)
+def place_schedule(schedule: str, p: int, m: int, v: int, forward_s: list[float], backward_s: list[float],
+                   send_s: float = 0.0) -> Placement:
+    """``schedule``'s orders (compiled once per ``(p, m, v)``, :func:`~labkit.parallel.pipeline.catalog.compiled`)
+    placed with ``forward_s`` and ``backward_s`` per chunk, a split backward's ``I`` and ``W`` half the ``B``
+    each, and ``send_s`` per hop between ranks.  (Placing a few micro-batches and extrapolating is not exact:
+    with a heavier last stage a pipeline can take tens of micro-batches to settle into its periodic regime.)"""
+    compiled = catalog.compiled(schedule, p, m, v)
+    half = [b / 2 for b in backward_s]
+    seconds = {"F": forward_s, "B": backward_s, "I": half, "W": half}
+    return place(compiled, [seconds[action.kind][action.stage] for action in compiled.actions], send_s)
 
 
 def closed_form_makespan(schedule: str, p: int, m: int, forward_s: float, backward_s: float, v: int = 1) -> float:
@@ -249,7 +250,7 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
     d, p, b = layout.dp, layout.pp, layout.micro_batch
     if layout.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {layout.schedule!r}")
-    _check_divides(shape, layout, global_batch, stage_layers)
+    check_divides(shape, layout, global_batch, stage_layers)
     m, v, chunks = global_batch // (d * b), layout.chunks // p, layout.chunks
     gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
     slowdown = hardware.overlap_slowdown
@@ -259,13 +260,13 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
              for r in range(p)]
     bound = max(range(p), key=lambda r: (sum(ranks[r]), r))  # the rank with the most work a micro-batch
     # the pipeline: each rank's order placed in time, without and with its sends
-    timeline: Pipeline | None = None
+    placed: Placement | None = None
     total = without_sends = m * sum(ranks[0])
     if p > 1:
         send = send_time(shape, layout, hardware, value_bytes, sequence_parallel)
-        timeline = pipeline(layout.schedule, p, m, v, forward, backward, send)
-        total = timeline.total
-        without_sends = pipeline(layout.schedule, p, m, v, forward, backward).total if send else total
+        placed = place_schedule(layout.schedule, p, m, v, forward, backward, send)
+        total = placed.makespan
+        without_sends = place_schedule(layout.schedule, p, m, v, forward, backward).makespan if send else total
     own = m * sum(ranks[bound])
     mine = layout.chunks_of(bound)
     tp_s = m * (sum(tp_cost[c] for c in mine) + sum(tp_cost[chunks + c] for c in mine))
@@ -274,7 +275,7 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
     compute_s = own - tp_s - cp_s - ep_s
     dp_s = zero_s = 0.0
     if layout.replicas > 1:
-        dp_s, zero_s = _data_parallel(shape, layout, hardware, m, forward, backward, ranks, timeline, total,
+        dp_s, zero_s = _data_parallel(shape, layout, hardware, m, forward, backward, ranks, placed, total,
                                       value_bytes, gradient_bytes, overlap_dp, overlap_gather, stage_layers, costs,
                                       balanced=not head_on_last_stage, reshard=reshard_after_forward)
     return StepTime(layout, m, compute_s, tp_s, without_sends - own, total - without_sends, dp_s, zero_s,
@@ -312,23 +313,23 @@ def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
     return bound
 
 
-def _last_gradients(timeline: Pipeline | None, rank: int, layout: Layout, total: float,
+def _last_gradients(placed: Placement | None, rank: int, layout: Layout, total: float,
                     backward: list[float]) -> dict[int, tuple[float, float]]:
     """``chunk -> (start, end)`` of the pass that completes each of ``rank``'s chunks' gradients (its last B, or
     W where the backward is split)."""
-    if timeline is None:  # one stage: its last backward closes the step
+    if placed is None:  # one stage: its last backward closes the step
         return {0: (total - backward[0], total)}
-    return {chunk: timeline.last_gradient[chunk] for chunk in layout.chunks_of(rank)}
+    return {chunk: placed.last_gradient(chunk) for chunk in layout.chunks_of(rank)}
 
 
 def _data_parallel(shape: Any, layout: Layout, hardware: Hardware, m: int, forward: list[float],
-                   backward: list[float], ranks: list[tuple[float, float]], timeline: Pipeline | None,
+                   backward: list[float], ranks: list[tuple[float, float]], placed: Placement | None,
                    total: float, value_bytes: int, gradient_bytes: int, overlap_dp: bool, overlap_gather: bool,
                    stage_layers: tuple[int, ...] | None, costs: Any, balanced: bool,
                    floor: bool = False, reshard: bool = True) -> tuple[float, float]:
     """The DP reduction and ZeRO's gathers of :func:`predict_step`, each the worst over the pipeline ranks
     (``balanced``: every chunk holds an equal share of the parameters, as the balanced pipeline assumes).
-    ``floor``: without a timeline, the least the two can be (the planner's bound): the hidden parts' slowdown,
+    ``floor``: without a placed schedule, the least the two can be (the planner's bound): the hidden parts' slowdown,
     and the bucket the last pass of the schedule leaves, or the weights' first bucket before any forward."""
     d, t, p, chunks = layout.replicas, layout.tp, layout.pp, layout.chunks  # dp x cp hold the same weights
     link, slowdown, latency = link_of(hardware, t, d), hardware.overlap_slowdown, hardware.call_latency_s
@@ -374,7 +375,7 @@ def _data_parallel(shape: Any, layout: Layout, hardware: Hardware, m: int, forwa
             dp_floors.append(least + slowdown * (sent - least))
             if floor:
                 continue
-            closing = _last_gradients(timeline, rank, layout, total, backward)
+            closing = _last_gradients(placed, rank, layout, total, backward)
             ready = []
             for count, _, chunk in ones:
                 start, end = closing[chunk]
@@ -392,7 +393,7 @@ def _data_parallel(shape: Any, layout: Layout, hardware: Hardware, m: int, forwa
                 zero_floors.append(slowdown * count * one + (one * (1 - slowdown) if rank == 0 else 0.0))
                 continue
             else:  # behind the next step's first forward on this rank, bucket by bucket
-                first = _first_forward(timeline, rank, forward)
+                first = _first_forward(placed, rank, forward)
                 exposed = max(0.0, max((k + 1) * one - (first[0] + first[1] * k / count) for k in range(count)))
             zero_worst = max(zero_worst, exposed + slowdown * (count * one - exposed))
         elif layout.zero == 3:  # each chunk gathered before every forward and backward, prefetched
@@ -410,9 +411,9 @@ def _data_parallel(shape: Any, layout: Layout, hardware: Hardware, m: int, forwa
     return dp_worst, zero_worst
 
 
-def _first_forward(timeline: Pipeline | None, rank: int, forward: list[float]) -> tuple[float, float]:
+def _first_forward(placed: Placement | None, rank: int, forward: list[float]) -> tuple[float, float]:
     """``(start, length)`` of ``rank``'s first forward in the step."""
-    if timeline is None:
+    if placed is None:
         return 0.0, forward[0]
-    start, end = timeline.first_forward[rank]
+    start, end = placed.first_pass(rank)
     return start, end - start

@@ -293,11 +293,11 @@ def observe(function: types.FunctionType, observer: Callable[..., None]) -> Iter
         return twin(*args, **kwargs)
 
     _OBSERVED[key] = observed
-    code = guard._code_running(function, f"return __import__({__name__!r}, fromlist=['_'])._OBSERVED"
+    code = guard.code_running(function, f"return __import__({__name__!r}, fromlist=['_'])._OBSERVED"
                                           f"[{guard.HOLE!r}](*args, **kwargs)", "observed", key)
     with ExitStack() as restore:
         restore.callback(_OBSERVED.pop, key, None)
-        if not guard._swap_code(function, "", restore, code):
+        if not guard.swap_code(function, "", restore, code):
             raise TypeError(f"cannot observe {function.__qualname__}")
         yield
 

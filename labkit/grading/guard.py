@@ -60,7 +60,8 @@ LABKIT_IMPLEMENTATIONS = (
     "labkit.collectives",  # 01: the ring reduce-scatter, all-gather, all-reduce; broadcast; naive and tree
     "labkit.costmodel.collectives.chunk_bounds",  # 00: shard_bounds
     "labkit.parallel",  # 02: DDP's broadcast, hook and buckets; 05: ZeRO's sharding and sharded optimizer;
-    # 06: tensor parallelism's f and g and its split layers; 07: the 1F1B schedule; 08: the server's rule (Gate)
+    # 06: tensor parallelism's f and g and its split layers; 07: the 1F1B schedule; 08: the server's rule (Gate);
+    # 11: a schedule placed in time (labkit.parallel.pipeline.engine, which the step model places with)
     "labkit.lr",  # 03: the global batch, the linear rule, warmup and decay
     "labkit.precision",  # 04: the dynamic loss scaler
     "labkit.checkpoint",  # 09: saving and resuming a run (rank 0 writes, every rank's RNG and sampler states)
@@ -68,7 +69,6 @@ LABKIT_IMPLEMENTATIONS = (
     "labkit.mesh",  # 10: the 3D layout (mesh_coordinates and mesh_groups, in "tp-dp-pp") and the Mesh built on it
     "labkit.costmodel.step",  # 11: the step model (predict_step, stage_times, closed_form_makespan)
     "labkit.costmodel.stages",  # 11: the step model's per-stage costs (chunk_costs, stage_times)
-    "labkit.costmodel.timeline",  # 11: the step model's placement of a schedule (place, pipeline)
     "labkit.costmodel.planner",  # 11: the planner, which ranks layouts by predict_step
     "labkit.costmodel.simulator",  # 11: the same step simulated event by event (its parts, the bubble included)
     "labkit.loader.sample_seed",  # 12: the seed of one sample's augmentation
@@ -91,7 +91,7 @@ TORCH_COLLECTIVE_MODULES = ("torch.distributed.distributed_c10d", "torch.distrib
 
 DEFAULT_REASON = "this exercise asks you to write it yourself"
 POINT_TO_POINT_REASON = "build it from point-to-point messages (dist.isend / dist.irecv)"
-HOLE = "<labkit.grading.guard: the value>"  # a constant in a swapped function's statement: _code_running's value
+HOLE = "<labkit.grading.guard: the value>"  # a constant in a swapped function's statement: code_running's value
 # A swapped function runs with its own globals: it reaches the exception class through __import__.
 _REFUSED = f"raise __import__({__name__!r}, fromlist=['_']).Forbidden({HOLE!r})"
 
@@ -159,7 +159,7 @@ def forbid(student: types.ModuleType | None = None, *, library: Iterable[str] = 
     with ExitStack() as restore:
         unswapped = [(function, message) for function, message, code in _refusals(tuple(library), tuple(allow),
                                                                                    reason, loaded)
-                     if not _swap_code(function, message, restore, code)]
+                     if not swap_code(function, message, restore, code)]
         if collectives:
             _refuse_process_group_collectives(reason, restore)
         if student is not None:
@@ -232,7 +232,7 @@ def graders_off_limits(student: types.ModuleType | None) -> Iterator[None]:
                 for function in vars(module).values():  # functions, not methods
                     if type(function) is types.FunctionType and function.__module__ == module_name and \
                             not getattr(function, "guarded", False) and (code := _served(function)) is not None:
-                        _swap_code(function, "", restore, code)
+                        swap_code(function, "", restore, code)
         yield
 
 
@@ -273,7 +273,7 @@ def _served(function: types.FunctionType) -> types.CodeType | None:
         return twin(*args, **kwargs)
 
     _CALLS[id(function)] = call
-    return _code_running(function, _SERVED, "served", id(function))
+    return code_running(function, _SERVED, "served", id(function))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -337,7 +337,7 @@ def _refusals(library: tuple[str, ...], allow: tuple[str, ...], reason: str,
     refusals = []
     for function, whose in chosen:
         message = f"used {_public_name(function)}, {whose}: {reason}"
-        refusals.append((function, message, _code_running(function, _REFUSED, value=message)))
+        refusals.append((function, message, code_running(function, _REFUSED, value=message)))
     return refusals
 
 
@@ -351,8 +351,8 @@ def _public_name(function: types.FunctionType) -> str:
 # Making it refuse
 
 
-def _code_running(function: types.FunctionType, statement: str, name: str = "refused",
-                  value: Any = None) -> types.CodeType | None:
+def code_running(function: types.FunctionType, statement: str, name: str = "refused",
+                 value: Any = None) -> types.CodeType | None:
     """Code of a function ``name(*args, **kwargs)`` that runs ``statement``, with ``function``'s free variables
     (tests tell a swapped function by its code's name), ``value`` in place of :data:`HOLE`: compiled once per set of
     free variables, as a check swaps hundreds of functions each time it enters the guard (01's ranks: every call)."""
@@ -374,9 +374,11 @@ def _template(free: tuple[str, ...], statement: str, name: str) -> types.CodeTyp
     return code if code.co_freevars == free else None
 
 
-def _swap_code(function: types.FunctionType, message: str, restore: ExitStack,
-               code: types.CodeType | None = None) -> bool:
-    code = _code_running(function, _REFUSED, value=message) if code is None else code
+def swap_code(function: types.FunctionType, message: str, restore: ExitStack,
+              code: types.CodeType | None = None) -> bool:
+    """Give ``function`` the code that refuses with ``message`` (or ``code``), undone by ``restore``; False where
+    its code cannot be swapped (a builtin, a closure whose free variables differ)."""
+    code = code_running(function, _REFUSED, value=message) if code is None else code
     if code is None:
         return False
     original = function.__code__

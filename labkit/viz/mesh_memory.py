@@ -63,7 +63,7 @@ from matplotlib.figure import Figure
 
 from labkit.costmodel.memory import activation_bytes, memory_per_rank
 from labkit.costmodel.shapes import TransformerShape, num_parameters
-from labkit.mesh import _check_degrees
+from labkit.mesh import check_degrees
 from labkit.viz.mesh_plots import MEMORY_PARTS, plot_mesh
 
 LLAMA_2_70B = TransformerShape.preset("llama-2-70b")
@@ -124,7 +124,7 @@ def memory_choices(shape: TransformerShape, num_gpus: int, choices: Sequence[Seq
         dp, tp, pp, zero = choice
         name = f"choice {tuple(choice)!r}"
         try:
-            _check_degrees(dp, tp, pp)
+            check_degrees(dp, tp, pp)
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
         if dp * tp * pp != num_gpus:

@@ -26,7 +26,7 @@ from matplotlib import path as matplotlib_path
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from labkit.mesh import _check_degrees, mesh_coordinates, mesh_groups
+from labkit.mesh import check_degrees, mesh_coordinates, mesh_groups
 
 DIM_COLORS = {"tp": "#0072B2", "dp": "#009E73", "pp": "#D55E00"}  # Okabe & Ito: blue, bluish green, vermillion
 DIM_NAMES = {"tp": "TP", "dp": "DP", "pp": "PP"}
@@ -63,7 +63,7 @@ def group_links(dp: int, tp: int, pp: int, gpus_per_node: int = 8) -> dict[str, 
     A dimension of degree 1 has one-rank groups, trivially inside a node.  With 8 GPUs a node, tp ``<= 8``
     keeps TP on NVLink (when 8 is a multiple of tp), while pp is the first dimension pushed across nodes.
     """
-    degrees = _check_degrees(dp, tp, pp)
+    degrees = check_degrees(dp, tp, pp)
     _check_gpus_per_node(gpus_per_node)
     world_size = degrees["dp"] * degrees["tp"] * degrees["pp"]
     groups = mesh_groups(world_size, dp=dp, tp=tp, pp=pp)
@@ -98,7 +98,7 @@ def plot_mesh(dp: int, tp: int, pp: int, gpus_per_node: int = 8, highlight_rank:
     member).  The legend says, for each dimension, whether its groups stay inside a node or cross nodes, from
     :func:`group_links`.  ``highlight_rank=None`` draws the layout alone.
     """
-    degrees = _check_degrees(dp, tp, pp)
+    degrees = check_degrees(dp, tp, pp)
     _check_gpus_per_node(gpus_per_node)
     world_size = dp * tp * pp
     if highlight_rank is not None and (isinstance(highlight_rank, bool) or not isinstance(highlight_rank, int)

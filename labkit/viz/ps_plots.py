@@ -29,7 +29,7 @@ from labkit.costmodel.stragglers import Throughput, harmonic, throughput
 from labkit.parallel.parameter_server import MODES, Stragglers
 from labkit.parallel.parameter_server.simulate import ServerTimeline, simulate_parameter_server
 from labkit.viz import plots
-from labkit.viz.training_plots import _smooth
+from labkit.viz.training_plots import running_mean
 from labkit.viz.widgets import ROW, connect
 
 # Okabe & Ito's colour-blind-safe palette, one colour per mode.
@@ -198,7 +198,7 @@ def plot_loss_curves_ps(runs: Mapping[str, Any], smooth: int = 1, title: str = "
     for index, (label, run) in enumerate(runs.items()):
         positions, losses, seconds = loss_by_version(run, x)
         color = MODE_COLORS.get(label, SERIES_COLORS[index % len(SERIES_COLORS)])
-        smoothed = _smooth(losses, smooth) if smooth > 1 else losses
+        smoothed = running_mean(losses, smooth) if smooth > 1 else losses
         by_update.plot(positions, smoothed, color=color, label=label)
         by_time.plot(seconds, smoothed, color=color, label=label)
     by_update.set_xlabel("updates applied (server version)" if x == "updates" else "gradients applied")

@@ -41,7 +41,8 @@ def plot_lr_schedules(schedules: dict[str, Sequence[float]], samples_per_step: d
     return figure
 
 
-def _smooth(values: Sequence[float], window: int) -> list[float]:
+def running_mean(values: Sequence[float], window: int) -> list[float]:
+    """The running mean of ``values`` over the last ``window`` of them (fewer at the start)."""
     window = max(1, window)
     smoothed, total = [], 0.0
     for index, value in enumerate(values):
@@ -66,7 +67,7 @@ def plot_lr_experiment(results: dict[tuple[str, int], Sequence[float]], base_bat
             losses = results.get((recipe, k))
             if losses is None:
                 continue
-            smoothed = _smooth(losses, len(losses) // 20)
+            smoothed = running_mean(losses, len(losses) // 20)
             color = RANK_COLORS[index % len(RANK_COLORS)]
             label = f"global batch {k * base_batch} ({k}x)"
             axes[0][column].plot([(step + 1) * k * base_batch for step in range(len(losses))], smoothed,

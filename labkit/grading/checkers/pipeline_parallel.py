@@ -48,12 +48,13 @@ def _cases() -> list[tuple[int, int]]:
     drawn = RANDOM.sample(sorted(set(range(7, 25)) - {p for p, _ in CASES}), 2)
     return CASES + [(p, RANDOM.randint(2, 2 * p)) for p in drawn]
 FORWARD_S, BACKWARD_S = 1, 2
-# What validate and simulate run on: the checker's tools, left working under the guard.  The generators
-# (gpipe, one_f_one_b, _one_f_one_b_order, _place, ...) are not named here, so they stay forbidden.
+# What validate and simulate run on: the checker's tools, left working under the guard (the engine places an
+# order in time; it writes none).  The generators (gpipe, one_f_one_b, one_f_one_b_orders, with_time_slots, the
+# catalog, ...) are not named here, so they stay forbidden.
 _SCHEDULE = "labkit.parallel.pipeline.schedule"
-CHECKER_TOOLS = ("labkit.parallel.pipeline.simulate", f"{_SCHEDULE}.Action", f"{_SCHEDULE}.Schedule",
-                 f"{_SCHEDULE}.validate", f"{_SCHEDULE}._check_positive", f"{_SCHEDULE}._inputs",
-                 f"{_SCHEDULE}._execute", f"{_SCHEDULE}.stage_rank")
+CHECKER_TOOLS = ("labkit.parallel.pipeline.simulate", "labkit.parallel.pipeline.engine", f"{_SCHEDULE}.Action",
+                 f"{_SCHEDULE}.Schedule", f"{_SCHEDULE}.validate", f"{_SCHEDULE}.check_table",
+                 f"{_SCHEDULE}.compile_schedule", f"{_SCHEDULE}.check_positive", f"{_SCHEDULE}.stage_rank")
 # torch's 1F1B tables: the classes' pipeline_order, the interleaved schedules' per-rank builder, the visualizer's
 # get_schedule_ops("1F1B", p, m).  Named one by one: the whole module would also swap Enum.__new__ (its enum's).
 # (torch 2.14's Schedule1F1B table is off by one on the last stage, F1..Fm: the checks would catch it anyway.)

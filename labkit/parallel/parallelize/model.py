@@ -64,7 +64,7 @@ from torch import nn
 from labkit import trace
 from labkit.costmodel.context import cp_messages
 from labkit.dist import global_rank
-from labkit.mesh import Mesh, _check_degrees
+from labkit.mesh import Mesh, check_degrees
 from labkit.models import GPTConfig, TinyGPT
 from labkit.parallel.base import ParallelWrapper, Piece
 from labkit.parallel.context.attention import ContextParallelGroup
@@ -97,7 +97,7 @@ def check_3d(config: GPTConfig, dp: int, tp: int, pp: int, *, zero: int = 0, sch
     ``batch_size`` is one data-parallel replica's batch (cut into ``microbatches``); ``virtual_stages`` (``v``)
     is the number of stages per pp-rank, used by ``"interleaved"`` and ``"interleaved-zb"`` only.  Raises ``ValueError`` naming the value.
     """
-    degrees = _check_degrees(dp, tp, pp, cp)
+    degrees = check_degrees(dp, tp, pp, cp)
     if world_size is not None and dp * cp * tp * pp != world_size:
         named = "dp * tp * pp" if cp == 1 else "dp * cp * tp * pp"
         values = " * ".join(str(degrees[d]) for d in ("dp", "cp", "tp", "pp") if d != "cp" or cp > 1)

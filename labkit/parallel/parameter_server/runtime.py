@@ -103,7 +103,7 @@ class Gate:
 
     def __init__(self, mode: str, workers: int, staleness_bound: int | None = None, backup_workers: int = 0,
                  max_delay: int | None = None):
-        _check(mode, 1, 1.0, staleness_bound, backup_workers, workers, max_delay)
+        check_arguments(mode, 1, 1.0, staleness_bound, backup_workers, workers, max_delay)
         self.mode, self.workers, self.staleness_bound = mode, workers, staleness_bound
         # the most updates a gradient may land behind (bounded_delay's tau; sync is tau = 0, async no bound)
         self.max_delay = {"sync": 0, "async": math.inf, "bounded_delay": max_delay}.get(mode)
@@ -227,8 +227,10 @@ class ParameterServerRun:
         return [r.staleness for r in self.applied]
 
 
-def _check(mode: Any, updates: Any, lr: Any, staleness_bound: Any, backup_workers: Any, workers: int,
-           max_delay: Any = None) -> None:
+def check_arguments(mode: Any, updates: Any, lr: Any, staleness_bound: Any, backup_workers: Any, workers: int,
+                    max_delay: Any = None) -> None:
+    """Raise ``ValueError`` naming the first argument of :func:`run_parameter_server` (or of its simulation)
+    that no server can run with."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if isinstance(updates, bool) or not isinstance(updates, int) or updates < 1:
@@ -296,7 +298,7 @@ def run_parameter_server(model: nn.Module, batches: Callable[[int, int], tuple[t
     wait."""
     group = require_group(group)
     workers = _check_servers(servers, dist.get_world_size(group), gate)
-    _check(mode, updates, lr, staleness_bound, backup_workers, workers, max_delay)
+    check_arguments(mode, updates, lr, staleness_bound, backup_workers, workers, max_delay)
     if stragglers is not None and any(not 0 <= w < workers for w in stragglers.slow):
         raise ValueError(f"stragglers.slow names workers {sorted(stragglers.slow)}, but there are {workers} "
                          f"workers, 0 .. {workers - 1} (group ranks {servers} .. {servers + workers - 1})")

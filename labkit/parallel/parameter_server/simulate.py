@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from labkit.parallel.parameter_server.runtime import Gate, Received, Stragglers, _check
+from labkit.parallel.parameter_server.runtime import Gate, Received, Stragglers, check_arguments
 
 __all__ = ["ServerTimeline", "clock_gap", "simulate_parameter_server"]
 
@@ -93,7 +93,7 @@ def simulate_parameter_server(mode: str = "sync", workers: int = 4, updates: int
     ``compute_s`` plus the ``stragglers``' delay and each message ``message_s`` seconds."""
     stragglers = Stragglers() if stragglers is None else stragglers
     _check_simulation(workers, compute_s, message_s, stragglers)
-    _check(mode, updates, 1.0, staleness_bound, backup_workers, workers, max_delay)  # the server's (lr unused)
+    check_arguments(mode, updates, 1.0, staleness_bound, backup_workers, workers, max_delay)  # the server's (lr unused)
     gate = Gate(mode, workers, staleness_bound, backup_workers, max_delay)
     generators = [stragglers.generator(worker) for worker in range(workers)]
     computes: list[list[tuple[float, float, int]]] = [[] for _ in range(workers)]

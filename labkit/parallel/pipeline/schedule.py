@@ -35,11 +35,14 @@ tests.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import re
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from labkit.parallel.pipeline.engine import Compiled, compile_orders, place
 
 KINDS = ("F", "B", "I", "W")
 PLACEMENTS = ("loop", "v")
@@ -81,7 +84,7 @@ def stage_rank(stage: int, p: int, placement: str = "loop") -> int:
     return stage % p if placement == "loop" else min(stage, 2 * p - 1 - stage)
 
 
-def _check_positive(**numbers: int) -> None:
+def check_positive(**numbers: int) -> None:
     for name, value in numbers.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -101,7 +104,7 @@ class Schedule:
     pairs: frozenset[tuple[Action, Action]] = frozenset()
 
     def __post_init__(self) -> None:
-        _check_positive(p=self.p, m=self.m, v=self.v)
+        check_positive(p=self.p, m=self.m, v=self.v)
         if self.placement not in PLACEMENTS or (self.placement == "v" and self.v != 2):
             raise ValueError(f"placement must be one of {PLACEMENTS} ('v' with v = 2 stages per rank), got "
                              f"{self.placement!r} with v={self.v}")
@@ -138,71 +141,14 @@ class Schedule:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Dependencies and execution in order: what validate checks and what simulate times.
+# Validation: the table's own rules, then its orders run by the one engine (:mod:`.engine`).
 
 
-def _inputs(action: Action, stages: int, backward_kind: dict[tuple[int, int], str]) -> list[Action]:
-    """The actions whose results ``action`` consumes."""
-    s, mb = action.stage, action.microbatch
-    if action.kind == "F":
-        return [Action(s - 1, "F", mb)] if s > 0 else []
-    if action.kind == "W":
-        return [Action(s, "I", mb)]
-    needs = [Action(s, "F", mb)]  # B or I: the stage's own activations, and the gradient from downstream
-    if s + 1 < stages:
-        needs.append(Action(s + 1, backward_kind.get((s + 1, mb), "B"), mb))
-    return needs
-
-
-_RULES = {"F": "a forward needs the previous stage's forward of its micro-batch first",
-          "B": "a backward needs its own forward and the next stage's backward (B or I) of its micro-batch first",
-          "I": "a backward needs its own forward and the next stage's backward (B or I) of its micro-batch first",
-          "W": "a weight gradient W needs its input gradient I first"}
-
-
-def _execute(schedule: Schedule, duration: Callable[[Action], float], send_s: float = 0,
-             pair_s: Callable[[Action, Action], float] | None = None) -> list[list[tuple[float, float, Action]]]:
-    """Run every rank's order: an action starts when its rank is free and its inputs are done (plus ``send_s``
-    when they come from another rank).  An overlapped pair (``schedule.pairs``) starts when both its actions'
-    inputs are done and lasts ``pair_s(forward, backward)`` (their sum by default), split between the two in
-    proportion.  Raises ValueError if a rank waits on itself or no rank can progress."""
-    orders = schedule.orders()
-    follows = dict(schedule.pairs)
-    backward_kind = {(a.stage, a.microbatch): a.kind for order in orders for a in order if a.kind in "BI"}
-    done: dict[Action, float] = {}
-    free: list[float] = [0] * schedule.p
-    position = [0] * schedule.p
-    events: list[list[tuple[float, float, Action]]] = [[] for _ in range(schedule.p)]
-    while any(position[r] < len(orders[r]) for r in range(schedule.p)):
-        progressed = False
-        for rank in range(schedule.p):
-            while position[rank] < len(orders[rank]):
-                action = orders[rank][position[rank]]
-                unit = [action, follows[action]] if action in follows else [action]
-                needs = [need for a in unit for need in _inputs(a, schedule.stages, backward_kind)]
-                missing = [need for need in needs if need not in done]
-                if missing:
-                    if schedule.rank_of(missing[0].stage) == rank:
-                        raise ValueError(f"{schedule.name}: rank {rank} runs {action} before {missing[0]} "
-                                         f"(or never runs it): {_RULES[action.kind]}")
-                    break
-                start = max([free[rank]] + [done[need] + (send_s if schedule.rank_of(need.stage) != rank else 0)
-                                            for need in needs])
-                lengths = [duration(a) for a in unit]
-                total = pair_s(*unit) if len(unit) == 2 and pair_s is not None else sum(lengths)
-                for a, length in zip(unit, lengths, strict=True):  # a pair's time shared in proportion
-                    end = start + (length if len(unit) == 1 else total * length / sum(lengths) if sum(lengths) else 0)
-                    done[a], free[rank] = end, end
-                    events[rank].append((start, end, a))
-                    start = end
-                position[rank] += len(unit)
-                progressed = True
-        if not progressed:
-            waits = [f"rank {r} at {orders[r][position[r]]} waits for "
-                     f"{[n for n in _inputs(orders[r][position[r]], schedule.stages, backward_kind) if n not in done][0]}"
-                     for r in range(schedule.p) if position[r] < len(orders[r])]
-            raise ValueError(f"{schedule.name}: deadlock, no rank can progress: " + "; ".join(waits))
-    return events
+def compile_schedule(schedule: Schedule) -> Compiled:
+    """``schedule``'s orders compiled by :func:`~.engine.compile_orders` (its idle slots dropped): the form that
+    :func:`~.engine.place` puts in time.  Raises ``ValueError`` on orders that deadlock."""
+    return compile_orders(schedule.name, schedule.p, schedule.m, schedule.stages, schedule.orders(),
+                          schedule.rank_of, schedule.pairs)
 
 
 def validate(schedule: Schedule) -> None:
@@ -215,6 +161,13 @@ def validate(schedule: Schedule) -> None:
     ``I``.  A rank that blocks on an action it runs later, or ranks that all block on one another (the sends
     and receives cannot be matched), is a deadlock.
     """
+    check_table(schedule)
+    compile_schedule(schedule)
+
+
+def check_table(schedule: Schedule) -> None:
+    """The rules a table breaks without running: stages on their ranks, micro-batches in range, each pass once,
+    pairs adjacent."""
     counts: Counter[Action] = Counter()
     for rank, order in enumerate(schedule.orders()):
         for action in order:
@@ -248,35 +201,40 @@ def validate(schedule: Schedule) -> None:
                 if kind in need and kind not in has:
                     raise ValueError(f"{schedule.name}: {Action(stage, kind, mb)} is missing; every stage runs "
                                      f"F and B (or I and W) once for each of the m={schedule.m} micro-batches")
-    _execute(schedule, lambda action: 1)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Generators: each decides the order of every rank; _place gives it time slots.
+# Generators: each decides the order of every rank (``*_orders``, a schedule without idle slots);
+# with_time_slots places it.
 
 
-def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]], placement: str = "loop",
-           pairs: frozenset[tuple[Action, Action]] = frozenset()) -> Schedule:
-    """Time slots for ``orders``: every action one slot long, starting as soon as its rank and inputs allow."""
-    unplaced = Schedule(p, m, v, name, orders, placement, pairs)
-    validate(unplaced)
-    table: list[list[Action | None]] = []
-    for events in _execute(unplaced, lambda action: 1):
+def with_time_slots(unplaced: Schedule) -> Schedule:
+    """Time slots for a schedule given as orders (``unplaced.table``: each rank's passes, no idle slot): every
+    action one slot long, starting as soon as its rank and inputs allow (:func:`~.engine.place`).  Validated."""
+    check_table(unplaced)
+    placed = place(compile_schedule(unplaced), [1] * sum(len(order) for order in unplaced.orders()))
+    rows: list[list[Action | None]] = []
+    for events in placed.events():
         row: list[Action | None] = [None] * (int(events[-1][1]) if events else 0)
         for start, _, action in events:
             row[int(start)] = action
-        table.append(row)
-    return Schedule(p, m, v, name, table, placement, pairs)
+        rows.append(row)
+    return dataclasses.replace(unplaced, table=rows)
+
+
+def gpipe_orders(p: int, m: int) -> Schedule:
+    """:func:`gpipe`'s orders: every forward, then every backward."""
+    check_positive(p=p, m=m)
+    orders = [[Action(r, "F", mb) for mb in range(m)] + [Action(r, "B", mb) for mb in range(m)] for r in range(p)]
+    return Schedule(p, m, 1, "GPipe", orders)
 
 
 def gpipe(p: int, m: int) -> Schedule:
     """GPipe (Huang et al. 2019): every forward, then every backward; each stage holds all ``m`` micro-batches."""
-    _check_positive(p=p, m=m)
-    orders = [[Action(r, "F", mb) for mb in range(m)] + [Action(r, "B", mb) for mb in range(m)] for r in range(p)]
-    return _place("GPipe", p, m, 1, orders)
+    return with_time_slots(gpipe_orders(p, m))
 
 
-def _one_f_one_b_order(rank: int, p: int, m: int, split: bool) -> list[Action]:
+def _one_f_one_b_order(rank: int, p: int, m: int, split: bool = False) -> list[Action]:
     """1F1B's order on ``rank``; with ``split`` each B becomes I, and W follows ``rank`` micro-batches later."""
     warmup = min(p - 1 - rank, m)
     order = [Action(rank, "F", mb) for mb in range(warmup)]
@@ -293,11 +251,16 @@ def _one_f_one_b_order(rank: int, p: int, m: int, split: bool) -> list[Action]:
     return order
 
 
+def one_f_one_b_orders(p: int, m: int, split: bool = False) -> Schedule:
+    """:func:`one_f_one_b`'s orders, or with ``split`` :func:`zb_h1`'s."""
+    check_positive(p=p, m=m)
+    return Schedule(p, m, 1, "ZB-H1" if split else "1F1B", [_one_f_one_b_order(r, p, m, split) for r in range(p)])
+
+
 def one_f_one_b(p: int, m: int) -> Schedule:
     """1F1B (PipeDream-Flush, Narayanan et al. 2021): rank ``r`` runs ``p-1-r`` forwards, then alternates one
     forward and one backward, then the remaining backwards.  GPipe's bubble, but ``p - r`` micro-batches held."""
-    _check_positive(p=p, m=m)
-    return _place("1F1B", p, m, 1, [_one_f_one_b_order(r, p, m, split=False) for r in range(p)])
+    return with_time_slots(one_f_one_b_orders(p, m))
 
 
 def zb_h1(p: int, m: int) -> Schedule:
@@ -307,20 +270,12 @@ def zb_h1(p: int, m: int) -> Schedule:
     with F = I = W the idle time is ``(p-1)`` slots per rank instead of 1F1B's ``3 (p-1)``.  Micro-batches
     between ``F`` and ``I`` stay at 1F1B's ``p - r``; each deferred ``W`` keeps only its layer inputs and
     output gradient."""
-    _check_positive(p=p, m=m)
-    return _place("ZB-H1", p, m, 1, [_one_f_one_b_order(r, p, m, split=True) for r in range(p)])
+    return with_time_slots(one_f_one_b_orders(p, m, split=True))
 
 
-def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
-    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's order): each rank holds ``v`` chunks (stages
-    ``r, r+p, ...``) and runs micro-batches in groups of ``p`` through one chunk, then the next.  The bubble
-    shrinks ``v``-fold, for ``v`` times as many point-to-point sends.
-
-    This is Megatron's original order, and like it (Narayanan et al. 2021, section 2.2.2) it needs ``m`` a
-    multiple of ``p``.  That is a property of the order, not of interleaving: Llama 3 (Dubey et al. 2024,
-    section 3.3.2) made the group size free, and ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` runs
-    groups of ``m // max(1, m // p)`` (any ``m`` that many groups divide, e.g. ``m = 6`` on ``p = 4``)."""
-    _check_positive(p=p, m=m, v=v)
+def interleaved_1f1b_orders(p: int, m: int, v: int) -> Schedule:
+    """:func:`interleaved_1f1b`'s orders."""
+    check_positive(p=p, m=m, v=v)
     if m % p:
         raise ValueError(f"labkit's interleaved 1F1B keeps Megatron's original order, micro-batches in groups of p, "
                          f"so m must be a multiple of p: got m={m}, p={p} (Llama 3's schedule and torch's "
@@ -341,7 +296,19 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
             order += [forward(rank, warmup + k), backward(rank, k)]
         order += [backward(rank, k) for k in range(total - warmup, total)]
         orders.append(order)
-    return _place("Interleaved 1F1B", p, m, v, orders)
+    return Schedule(p, m, v, "Interleaved 1F1B", orders)
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's order): each rank holds ``v`` chunks (stages
+    ``r, r+p, ...``) and runs micro-batches in groups of ``p`` through one chunk, then the next.  The bubble
+    shrinks ``v``-fold, for ``v`` times as many point-to-point sends.
+
+    This is Megatron's original order, and like it (Narayanan et al. 2021, section 2.2.2) it needs ``m`` a
+    multiple of ``p``.  That is a property of the order, not of interleaving: Llama 3 (Dubey et al. 2024,
+    section 3.3.2) made the group size free, and ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` runs
+    groups of ``m // max(1, m // p)`` (any ``m`` that many groups divide, e.g. ``m = 6`` on ``p = 4``)."""
+    return with_time_slots(interleaved_1f1b_orders(p, m, v))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Each rank runs its actions in the schedule's order; an action starts when its rank is free and its inputs are
 done (the previous stage's ``F`` for a forward, the next stage's ``B`` or ``I`` for a backward), plus
 ``send_s`` when an input crosses ranks.  Nothing else is modelled: no compute/communication overlap, no memory
-limit.  This is the same event-driven run that :func:`~.schedule.validate` uses with unit durations.
+limit.  The placement is :mod:`.engine`'s, the one that gives a table its unit time slots.
 
 **Bubble fraction** here is idle rank-time over total rank-time: ``idle / (p T)``, where ``T`` is the step's
 makespan and ``idle = p T - busy``.  Narayanan et al. (2021) instead quote the bubble *over the ideal time*
@@ -23,7 +23,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from labkit.parallel.pipeline.schedule import Action, Schedule, _execute, validate
+from labkit.parallel.pipeline.engine import Compiled, place
+from labkit.parallel.pipeline.schedule import Action, Schedule, compile_schedule, validate
 
 Seconds = float | Sequence[float]
 
@@ -101,13 +102,9 @@ def simulate(schedule: Schedule, forward_s: Seconds = 1.0, backward_s: Seconds =
         raise ValueError(f"send_s must be >= 0, got {send_s}")
     durations = {"F": f, "B": b, "I": [bi - wi for bi, wi in zip(b, w, strict=True)], "W": w}
 
-    def duration(action: Action) -> float:
-        return durations[action.kind][action.stage]
-
-    def pair_s(forward: Action, backward: Action) -> float:
-        return duration(forward) + duration(backward) - overlap * min(duration(forward), duration(backward))
-
-    return _timeline(schedule, _execute(schedule, duration, send_s, pair_s))
+    compiled = compile_schedule(schedule)
+    lengths = [durations[action.kind][action.stage] for action in compiled.actions]
+    return _timeline(schedule, place(compiled, _paired(compiled, lengths, overlap), send_s).events())
 
 
 def replay(timeline: Timeline, send_s: float = 0) -> Timeline:
@@ -128,7 +125,20 @@ def replay(timeline: Timeline, send_s: float = 0) -> Timeline:
     if missing:
         raise ValueError(f"{schedule.name}: the timeline has no duration for {missing[0]} "
                          f"({len(missing)} of the schedule's actions missing)")
-    return _timeline(schedule, _execute(schedule, own.__getitem__, send_s))
+    compiled = compile_schedule(schedule)
+    lengths = [own[action] for action in compiled.actions]
+    return _timeline(schedule, place(compiled, _paired(compiled, lengths, 0), send_s).events())
+
+
+def _paired(compiled: Compiled, lengths: list[float], overlap: float) -> list[float]:
+    """``lengths`` with each overlapped pair's time, ``F + B - overlap * min(F, B)``, shared by its two passes in
+    proportion to their own."""
+    for forward, backward in enumerate(compiled.pair_of):
+        if backward >= 0:
+            f, b = lengths[forward], lengths[backward]
+            together = f + b - overlap * min(f, b)
+            lengths[forward], lengths[backward] = (together * f / (f + b), together * b / (f + b)) if f + b else (0, 0)
+    return lengths
 
 
 def _timeline(schedule: Schedule, events: list[list[tuple[float, float, Action]]]) -> Timeline:

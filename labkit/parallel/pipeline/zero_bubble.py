@@ -39,7 +39,7 @@ devices, and the one torch ships.
 
 from __future__ import annotations
 
-from labkit.parallel.pipeline.schedule import Action, Schedule, _check_positive, _place
+from labkit.parallel.pipeline.schedule import Action, Schedule, check_positive, with_time_slots
 
 
 def zb_v(p: int, m: int) -> Schedule:
@@ -55,7 +55,12 @@ def zb_v(p: int, m: int) -> Schedule:
     for action (``tests/test_pipeline_zero_bubble.py``).  Qi et al. (arXiv:2401.10241, section 6) count
     idle time only inside each rank's span, from its first pass to its last (steps repeat back to back): there ZB-V
     has none at ``F = I = W``."""
-    _check_positive(p=p, m=m)
+    return with_time_slots(zb_v_orders(p, m))
+
+
+def zb_v_orders(p: int, m: int) -> Schedule:
+    """:func:`zb_v`'s orders."""
+    check_positive(p=p, m=m)
     orders = []
     for rank in range(p):
         down, up = rank, 2 * p - 1 - rank
@@ -87,7 +92,7 @@ def zb_v(p: int, m: int) -> Schedule:
             b0, w0 = b0 + 1, w0 + 1
         order += [Action(up, "W", k) for k in range(w1, b1)] + [Action(down, "W", k) for k in range(w0, b0)]
         orders.append([action for action in order if action.microbatch < m])
-    return _place("ZB-V", p, m, 2, orders, "v")
+    return Schedule(p, m, 2, "ZB-V", orders, "v")
 
 
 
@@ -100,13 +105,18 @@ def interleaved_zb(p: int, m: int, v: int) -> Schedule:
     Micro-batches go through a chunk in rounds of ``m // max(1, m // p)``, which must divide ``m`` (torch's rule;
     ``ValueError`` otherwise).  Rank ``r`` warms up with ``(v - 1)`` rounds plus ``p - 1 - r`` forwards: one
     per hop where interleaved 1F1B has two."""
-    _check_positive(p=p, m=m, v=v)
+    return with_time_slots(interleaved_zb_orders(p, m, v))
+
+
+def interleaved_zb_orders(p: int, m: int, v: int) -> Schedule:
+    """:func:`interleaved_zb`'s orders."""
+    check_positive(p=p, m=m, v=v)
     rounds = max(1, m // p)
     per_round = m // rounds
     if m % rounds:
         raise ValueError(f"interleaved zero bubble runs micro-batches in {rounds} rounds of m // {rounds} = "
                          f"{per_round}, so m must be a multiple of {rounds}: got m={m} on p={p} (torch's rule)")
-    return _place("Interleaved ZB", p, m, v, [_interleaved_zb_order(rank, p, m, v, per_round) for rank in range(p)])
+    return Schedule(p, m, v, "Interleaved ZB", [_interleaved_zb_order(rank, p, m, v, per_round) for rank in range(p)])
 
 
 def _interleaved_zb_order(rank: int, p: int, m: int, v: int, per_round: int) -> list[Action]:
@@ -150,7 +160,12 @@ def dualpipe_v(p: int, m: int) -> Schedule:
        halfway; 7. ``p - r - 1`` times ``W B0`` (or ``W I0``); 8. the ``W`` still owed.
 
     ``B`` here is a full backward (its ``W`` included), ``I``'s ``W`` runs from a queue, oldest first."""
-    _check_positive(p=p, m=m)
+    return with_time_slots(dualpipe_v_orders(p, m))
+
+
+def dualpipe_v_orders(p: int, m: int) -> Schedule:
+    """:func:`dualpipe_v`'s orders and overlapped pairs."""
+    check_positive(p=p, m=m)
     if m < 2 * p:
         raise ValueError(f"DualPipeV needs at least as many micro-batches as stages: m >= 2p = {2 * p}, got m={m}")
     orders, pairs = [], set()
@@ -158,7 +173,7 @@ def dualpipe_v(p: int, m: int) -> Schedule:
         order, paired = _dualpipe_v_order(rank, p, m)
         orders.append(order)
         pairs |= paired
-    return _place("DualPipeV", p, m, 2, orders, "v", frozenset(pairs))
+    return Schedule(p, m, 2, "DualPipeV", orders, "v", frozenset(pairs))
 
 
 def _dualpipe_v_order(rank: int, p: int, m: int) -> tuple[list[Action], set[tuple[Action, Action]]]:
