@@ -766,6 +766,7 @@ def test_the_3d_checks_take_any_collection_of_int_ranks_and_draw_cases_no_table_
 def test_the_planning_guard_refuses_labkits_step_model_planner_and_ring_costs_but_not_the_counts_handed_out():
     from labkit.costmodel import collectives, planner, simulator, step
     from labkit.costmodel.compute import GPUS, model_flops_per_step
+    from labkit.costmodel.hardware import NVLINK_LATENCY_S
     from labkit.costmodel.shapes import TransformerShape, num_parameters
 
     case = planning_checks.CASES[0]
@@ -789,7 +790,7 @@ def test_the_planning_guard_refuses_labkits_step_model_planner_and_ring_costs_bu
                 call()
         shape = TransformerShape.preset("gpt2")  # what the exercise hands out still works
         assert num_parameters(shape) == 124_439_808 and model_flops_per_step(shape, 1) > 0
-        assert case.layout.gpus == 1 and case.hardware.intra_node.alpha_s == 5e-6  # reading the arguments
+        assert case.layout.gpus == 1 and case.hardware.intra_node.alpha_s == NVLINK_LATENCY_S  # reading the arguments
     assert step.predict_step.__code__ is code
     assert step.closed_form_makespan("1f1b", 4, 8, 1.0, 2.0) == 33.0
 

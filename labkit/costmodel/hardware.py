@@ -102,5 +102,6 @@ LINKS = {
     "PCIe 4.0 x16": Link("PCIe 4.0 x16", PCIE_LATENCY_S, 25e9,
                          "PCI-SIG: 16 GT/s x 16 lanes, 32 GB/s raw each way, about 25 GB/s in practice"),
     "10 Gb Ethernet (TCP)": Link("10 Gb Ethernet", ETHERNET_TCP_LATENCY_S, 1.25e9, "IEEE 802.3ae: 10 Gb/s"),
+    "25 Gb Ethernet (TCP)": Link("25 Gb Ethernet", ETHERNET_TCP_LATENCY_S, 3.125e9, "IEEE 802.3by: 25 Gb/s"),
 }
 NVLINK, INFINIBAND = LINKS["NVLink 4 (H100, inside a node)"], LINKS["InfiniBand NDR (across nodes)"]

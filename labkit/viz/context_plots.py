@@ -19,6 +19,8 @@ from matplotlib.patches import Patch, Rectangle
 from labkit import trace
 from labkit.costmodel import context
 from labkit.costmodel.collectives import LinkModel
+from labkit.costmodel.compute import GPUS
+from labkit.costmodel.planner import Cluster
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.step import Hardware, Layout
 from labkit.parallel.context.layout import Tiles, block_slices, chunk_positions, tile_kind
@@ -26,6 +28,7 @@ from labkit.viz.plots import RANK_COLORS, figure_to_png
 from labkit.viz.widgets import ROW, connect
 
 GiB = 2 ** 30
+H100 = GPUS["H100 80GB"]  # the device lesson 13's figures price (labkit.costmodel.hardware)
 STRATEGY_COLORS = {"ring": "#4C72B0", "all_gather": "#DD8452", "ulysses": "#55A868"}
 TILE_COLORS = {"full": "#4C72B0", "masked": "#8FB3E0", "skip": "#F2F2F2"}
 
@@ -183,7 +186,8 @@ def plot_playbook_memory(shape: TransformerShape, seq_lens: Sequence[int],
             heights = np.array([v[part] for v in values])
             axis.bar(range(len(seq_lens)), heights, bottom=bottom, color=color, label=part.replace("_", " "))
             bottom += heights
-        axis.axhline(80e9 / GiB, color="#B00000", linestyle="--", linewidth=1, label="an H100: 80 GB = 74.5 GiB")
+        axis.axhline(H100.memory_bytes / GiB, color="#B00000", linestyle="--", linewidth=1,
+                     label=f"an H100: {H100.memory_bytes / 1e9:.0f} GB = {H100.memory_bytes / GiB:.1f} GiB")
         axis.set_xticks(range(len(seq_lens)), [f"{s // 1024}k" for s in seq_lens])
         axis.set_title("no parallelism" if (tp, cp) == (1, 1) else f"TP = {tp}, CP = {cp}", fontsize=10)
         axis.set_xlabel("sequence length (tokens)")
@@ -259,20 +263,23 @@ def plot_cp_costs(shape: TransformerShape, seq_lens: Sequence[int], cp: int, tp:
 
 
 def plot_strategy_costs(cp: int = 8, tp: int = 1, bandwidth_gb_s: float = 50, kv_heads: int = 8) -> Figure:
-    """:func:`plot_cp_costs` for a Llama 3 8B layer (``kv_heads`` key/value heads) on H100-class compute (half of
-    989 TFLOP/s bf16) with the cp group on a link of ``bandwidth_gb_s`` GB/s: what :func:`strategy_explorer`
+    """:func:`plot_cp_costs` for a Llama 3 8B layer (``kv_heads`` key/value heads) on the planner's H100s
+    (:class:`labkit.costmodel.planner.Cluster`: half the bf16 peak, NCCL's latencies, the slowdown of hidden
+    communication; :mod:`labkit.costmodel.hardware`) with the cp group on a link of ``bandwidth_gb_s`` GB/s (with
+    NVLink's latency above a GPU's network bandwidth, InfiniBand's at or below it): what :func:`strategy_explorer`
     draws."""
     shape = dataclasses.replace(TransformerShape.preset("llama-3-8b"), num_kv_heads=kv_heads)
-    hardware = Hardware(flops=0.5 * 989e12, intra_node=LinkModel(5e-6, 1 / 450e9),
-                        inter_node=LinkModel(1e-5, 1 / 50e9), call_latency_s=1e-5)
-    link = LinkModel(1e-5, 1 / (bandwidth_gb_s * 1e9))
+    hardware = Cluster(H100, H100.gpus_per_node).hardware()
+    bandwidth = bandwidth_gb_s * 1e9
+    latency = (hardware.intra_node if bandwidth > H100.network_bandwidth else hardware.inter_node).alpha_s
+    link = LinkModel(latency, 1 / bandwidth)
     lengths = [2 ** k for k in range(12, 21) if 2 ** k % (2 * cp) == 0]
     return plot_cp_costs(shape, lengths, cp, tp, hardware, link)
 
 
 def strategy_explorer(cp: int = 8, tp: int = 1, bandwidth_gb_s: int = 50, kv_heads: int = 8) -> widgets.VBox:
     """Choose cp, tp, the cp group's link bandwidth and the key/value heads of a Llama 3 8B layer: each strategy's
-    exposed communication per layer against the sequence length (H100-class compute)."""
+    exposed communication per layer against the sequence length (the planner's H100s)."""
     ranks = widgets.Dropdown(options=[2, 4, 8, 16, 32], value=cp, description="cp")
     tensor = widgets.Dropdown(options=[1, 2, 4, 8], value=tp, description="tp")
     bandwidth = widgets.IntSlider(value=bandwidth_gb_s, min=5, max=450, step=5, description="link GB/s")

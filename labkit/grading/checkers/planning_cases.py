@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPUS
+from labkit.costmodel.hardware import LINKS, Link
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.step import Hardware
 
@@ -13,20 +13,24 @@ SHAPES = {name: TransformerShape.preset(name) for name in ("gpt2", "gpt2-xl", "l
 SHAPES["gpt-64-layers"] = TransformerShape(64, 8192, 64, 2048, 50304)  # 52B parameters: 64 stages of one layer
 
 
-def _machine(gpu: str, efficiency: float, intra: float | None = None, network: float | None = None,
+def _machine(gpu: str, efficiency: float, intra: Link | None = None, network: Link | None = None,
              gpus_per_node: int | None = None) -> Hardware:
+    """A node of ``gpu`` (:data:`labkit.costmodel.compute.GPUS`: its peak, NVLink and network share per GPU, with
+    NCCL's latencies) reaching ``efficiency`` of its peak; ``intra`` and ``network``: other links of
+    :data:`labkit.costmodel.hardware.LINKS` in their place (a PCIe node behind Ethernet)."""
     preset = GPUS[gpu]
-    return Hardware(efficiency * preset.peak_bf16_flops, LinkModel(5e-6, 1 / (intra or preset.nvlink_bandwidth)),
-                    LinkModel(1e-5, 1 / (network or preset.network_bandwidth)),
-                    gpus_per_node or preset.gpus_per_node)
+    return Hardware(efficiency * preset.peak_bf16_flops, intra.model() if intra else preset.intra_node_link(),
+                    network.model() if network else preset.inter_node_link(), gpus_per_node or preset.gpus_per_node)
 
 
+PCIE, ETHERNET_25G, ETHERNET_10G = (LINKS[name] for name in ("PCIe 4.0 x16", "25 Gb Ethernet (TCP)",
+                                                            "10 Gb Ethernet (TCP)"))
 MACHINES = {
     "A100 nodes of 8 (NVLink 300 GB/s, network 25 GB/s)": _machine("A100 80GB", 0.5),
     "H100 nodes of 8 (NVLink 450 GB/s, network 50 GB/s)": _machine("H100 80GB", 0.45),
     "V100 nodes of 16 (NVLink 150 GB/s, network 6.25 GB/s)": _machine("V100 32GB", 0.4),
-    "A100 PCIe nodes of 4 (32 GB/s, network 2 GB/s)": _machine("A100 80GB", 0.5, 32e9, 2e9, 4),
-    "A100 PCIe nodes of 8 (32 GB/s, network 1.25 GB/s)": _machine("A100 80GB", 0.5, 32e9, 1.25e9, 8),
+    "A100 PCIe nodes of 4 (PCIe 25 GB/s, 25 Gb Ethernet 3.125 GB/s)": _machine("A100 80GB", 0.5, PCIE, ETHERNET_25G, 4),
+    "A100 PCIe nodes of 8 (PCIe 25 GB/s, 10 Gb Ethernet 1.25 GB/s)": _machine("A100 80GB", 0.5, PCIE, ETHERNET_10G, 8),
 }
 A100, H100, V100, SLOW, SLOW8 = MACHINES
 
