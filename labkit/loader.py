@@ -266,7 +266,7 @@ def stall_model(t_data: float, t_compute: float, workers: int, cores: int | None
 
 
 @dataclass
-class Timeline:
+class LoaderTimeline:
     """:func:`simulate_loader`'s result: per step, when the loop began waiting, how long it waited and when its
     compute ended; per batch, which worker made it and when (start, end)."""
 
@@ -277,7 +277,7 @@ class Timeline:
 
 
 def simulate_loader(t_data: float, t_compute: float, workers: int, prefetch_factor: int = 2,
-                    steps: int = 12) -> Timeline:
+                    steps: int = 12) -> LoaderTimeline:
     """The DataLoader's rules played out, without processes: at the start ``workers * prefetch_factor`` batches
     are requested, round robin; each worker makes its requests in order, ``t_data`` each; the loop takes batch
     ``j`` when it is ready, requests batch ``j + workers * prefetch_factor`` and computes ``t_compute``.  With no
@@ -292,7 +292,7 @@ def simulate_loader(t_data: float, t_compute: float, workers: int, prefetch_fact
             waits.append(t_data)
             clock += t_data + t_compute
             ends.append(clock)
-        return Timeline(waits, starts, ends, made)
+        return LoaderTimeline(waits, starts, ends, made)
     ahead = workers * prefetch_factor
     requested = [0.0] * min(ahead, steps)  # when each batch was asked for
     free = [0.0] * workers  # when each worker finishes what it holds
@@ -312,7 +312,7 @@ def simulate_loader(t_data: float, t_compute: float, workers: int, prefetch_fact
             requested.append(clock)
         clock += t_compute
         ends.append(clock)
-    return Timeline(waits, starts, ends, made)
+    return LoaderTimeline(waits, starts, ends, made)
 
 
 def _check_workers(workers: int) -> None:

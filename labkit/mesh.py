@@ -59,22 +59,12 @@ from __future__ import annotations
 import torch.distributed as torch_dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from labkit.degrees import check_degrees, check_ep
 from labkit.dist import backend, device, require_group
 
 DIMS = ("pp", "dp", "cp", "tp")  # the grid's axes, outermost first
 FLATTENED = {"dp_cp": ("dp", "cp")}  # groups over several dimensions at once: the data-parallel wrapper's
 EXPERT_GROUPS = ("ep", "edp")  # expert parallelism, folded over dp x cp: the all-to-all's, the experts' replicas
-
-
-def check_degrees(dp: object, tp: object, pp: object, cp: object = 1) -> dict[str, int]:
-    """The one check of the mesh's degrees: each a positive integer, or ``ValueError`` naming it.  Returns them
-    by dimension."""
-    degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
-    for name, value in degrees.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1 (the number of ranks along that dimension), "
-                             f"got {value!r}")
-    return degrees  # type: ignore[return-value]
 
 
 def _check_world_size(world_size: int, degrees: dict[str, int]) -> None:
@@ -97,16 +87,6 @@ def mesh_coordinates(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp:
     _check_world_size(world_size, degrees)
     return [{"pp": rank // (dp * cp * tp), "dp": rank // (cp * tp) % dp, "cp": rank // tp % cp, "tp": rank % tp}
             for rank in range(world_size)]
-
-
-def check_ep(ep: object, dp: int, cp: int = 1) -> int:
-    """``ep`` must be a positive integer dividing ``dp * cp`` (it is folded over them); ``ValueError``."""
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"ep must be an integer >= 1 (ranks the experts are split over), got {ep!r}")
-    if (dp * cp) % ep:
-        raise ValueError(f"expert parallelism is folded over the dp x cp ranks: ep={ep} must divide "
-                         f"dp * cp = {dp} * {cp} = {dp * cp}")
-    return ep
 
 
 def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,

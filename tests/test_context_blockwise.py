@@ -1,9 +1,9 @@
-"""Blockwise (flash) attention and the sequence layouts of context parallelism, on one process.
+"""Blockwise (flash) attention and the sequence splits of context parallelism, on one process.
 
 The kernel against torch's ``scaled_dot_product_attention`` (outputs, gradients of q, k and v) and torch's own CPU
 flash kernel (the log-sum-exp), in fp64 to 1e-10 and fp32 to 1e-5, causal and not, at lengths the block size
 does not divide; its memory (saved bytes and the largest tensor it forms) against the cost model; the LSE merge;
-the layouts' positions, padding, refusals and causal work.
+the splits' positions, padding, refusals and causal work.
 """
 
 from __future__ import annotations
@@ -137,13 +137,13 @@ def test_zigzag_gives_rank_r_chunks_r_and_its_mirror():
     assert chunk_positions(8, 2, 1, "zigzag").tolist() == [2, 3, 4, 5]
     assert chunk_positions(16, 4, 1, "zigzag").tolist() == [2, 3, 12, 13]
     assert chunk_positions(12, 3, 2, "contiguous").tolist() == [8, 9, 10, 11]
-    for cp, layout in itertools.product((1, 2, 3, 4), ("contiguous", "zigzag")):
+    for cp, split in itertools.product((1, 2, 3, 4), ("contiguous", "zigzag")):
         seq_len = 4 * cp * 3
-        owned = torch.cat([chunk_positions(seq_len, cp, rank, layout) for rank in range(cp)])
+        owned = torch.cat([chunk_positions(seq_len, cp, rank, split) for rank in range(cp)])
         assert sorted(owned.tolist()) == list(range(seq_len))
         x = torch.randn(2, seq_len, 3)
-        parts = [shard_sequence(x, cp, rank, layout) for rank in range(cp)]
-        assert torch.equal(gather_sequence(parts, layout), x)
+        parts = [shard_sequence(x, cp, rank, split) for rank in range(cp)]
+        assert torch.equal(gather_sequence(parts, split), x)
 
 
 def test_causal_sequences_are_padded_at_the_end_and_non_causal_ones_refused():
@@ -156,7 +156,7 @@ def test_causal_sequences_are_padded_at_the_end_and_non_causal_ones_refused():
         chunk_positions(30, 4, 0, "zigzag")
     with pytest.raises(ValueError, match="cp must be an integer >= 1"):
         padded_length(8, 0)
-    with pytest.raises(ValueError, match="layout must be one of"):
+    with pytest.raises(ValueError, match="split must be one of"):
         padded_length(8, 2, "striped")
     idx, targets = pad_batch(torch.ones(2, 30, dtype=torch.long), torch.ones(2, 30, dtype=torch.long), 32)
     assert idx[:, 30:].eq(0).all() and targets[:, 30:].eq(-100).all() and idx.shape == (2, 32)

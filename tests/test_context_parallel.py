@@ -26,7 +26,7 @@ from labkit.measure import ActivationMeter
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
 from labkit.parallel.context import (
-    LAYOUTS,
+    SPLITS,
     STRATEGIES,
     ContextParallelGroup,
     Tiles,
@@ -42,8 +42,8 @@ BATCH, HEADS, DIM, BLOCK = 2, 4, 8, 4
 
 def _attention_cases(seq_len: int) -> list[dict]:
     results = []
-    for strategy, layout, causal in itertools.product(STRATEGIES, LAYOUTS, (True, False)):
-        cp = ContextParallelGroup(None, layout=layout, block_size=BLOCK)
+    for strategy, split, causal in itertools.product(STRATEGIES, SPLITS, (True, False)):
+        cp_group = ContextParallelGroup(None, split=split, block_size=BLOCK)
         generator = torch.Generator().manual_seed(seq_len)
         q, k, v, dout = (torch.randn(BATCH, HEADS, seq_len, DIM, dtype=torch.float64, generator=generator)
                          for _ in range(4))
@@ -51,16 +51,16 @@ def _attention_cases(seq_len: int) -> list[dict]:
         expected = F.scaled_dot_product_attention(*whole, is_causal=causal)
         expected_grads = torch.autograd.grad(expected, whole, dout)
 
-        def mine(t: torch.Tensor, cp: ContextParallelGroup = cp, layout: str = layout) -> torch.Tensor:
-            return shard_sequence(t, cp.size, cp.rank, layout, dim=2)
+        def mine(t: torch.Tensor, cp_group: ContextParallelGroup = cp_group, split: str = split) -> torch.Tensor:
+            return shard_sequence(t, cp_group.size, cp_group.rank, split, dim=2)
 
         local = [mine(t).requires_grad_() for t in (q, k, v)]
-        out = context_parallel_attention(*local, cp, strategy=strategy, causal=causal)
-        forward_tiles = Tiles(**vars(cp.tiles))
+        out = context_parallel_attention(*local, cp_group, strategy=strategy, causal=causal)
+        forward_tiles = Tiles(**vars(cp_group.tiles))
         grads = torch.autograd.grad(out, local, mine(dout))
         error = max([(out - mine(expected)).abs().max().item()]
                     + [(a - mine(b)).abs().max().item() for a, b in zip(grads, expected_grads, strict=True)])
-        results.append({"case": (strategy, layout, causal), "error": error, "log": cp.log,
+        results.append({"case": (strategy, split, causal), "error": error, "log": cp_group.log,
                         "tiles": forward_tiles.computed})
     return results
 
@@ -71,10 +71,10 @@ def _saved_activations() -> dict[str, int]:
     found = {}
     for strategy in STRATEGIES:
         model = TinyGPT(GPT, seed=0)
-        cp = ContextParallelGroup(None, "zigzag")
-        apply_context_parallel(model, cp, GPT.block_size, strategy)
+        cp_group = ContextParallelGroup(None, "zigzag")
+        apply_context_parallel(model, cp_group, GPT.block_size, strategy)
         ids = torch.randint(GPT.vocab_size, (SEQUENCES, GPT.block_size + 1), generator=torch.Generator().manual_seed(0))
-        inputs, targets, _ = shard_batch(ids[:, :-1], ids[:, 1:], cp.size, cp.rank, "zigzag")
+        inputs, targets, _ = shard_batch(ids[:, :-1], ids[:, 1:], cp_group.size, cp_group.rank, "zigzag")
         with ActivationMeter(exclude=model.parameters()) as meter:
             model(inputs, targets)
         found[strategy] = meter.bytes
@@ -99,12 +99,12 @@ def test_every_strategy_and_layout_equals_one_process_and_sends_what_the_model_s
     per_rank = launch(_attention_cases, seq_len, nprocs=cp, timeout=120)
     for rank, results in enumerate(per_rank):
         for result in results:
-            strategy, layout, causal = result["case"]
+            strategy, split, causal = result["case"]
             assert result["error"] < 1e-10, (rank, result["case"], result["error"])
             expected = model.cp_messages(strategy, cp, BATCH, HEADS, seq_len // cp, DIM, element_size=8)
             assert Counter(result["log"]) == Counter(expected), (rank, result["case"])
             if strategy != "ulysses":  # each rank's queries against every key: the layout's causal work
-                work = ring_tiles(seq_len, cp, layout, block_size=BLOCK, causal=causal)[rank].computed
+                work = ring_tiles(seq_len, cp, split, block_size=BLOCK, causal=causal)[rank].computed
                 assert result["tiles"] == work, (rank, result["case"])
     for strategy in ("ring", "all_gather"):
         zigzag = [next(r["tiles"] for r in results if r["case"] == (strategy, "zigzag", True))
@@ -158,7 +158,7 @@ def _train_4d(layouts: list[tuple]) -> list[dict]:
         mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp)
         model = parallelize(TinyGPT(GPT, seed=0), mesh, zero=zero, schedule=schedule, microbatches=MICRO,
                             micro_batch_size=SEQUENCES // MICRO, seq_len=seq_len, cp_strategy=strategy,
-                            cp_layout=layout)
+                            cp_split=layout)
         optimizer = model.make_optimizer(torch.optim.SGD, lr=LR, momentum=0.9)
         losses = []
         for step in range(STEPS):
@@ -205,8 +205,8 @@ def test_the_trainer_with_cp_reads_what_data_parallelism_alone_reads(tmp_path):
         parse_arguments(["--cp", "3", "--cp-strategy", "ulysses", "--nprocs", "3"])
     with pytest.raises(ValueError, match="cp_strategy must be one of"):
         parse_arguments(["--cp", "2", "--cp-strategy", "tree", "--nprocs", "2"])
-    with pytest.raises(ValueError, match="--cp-strategy and --cp-layout belong to context-parallel runs"):
-        parse_arguments(["--cp-layout", "contiguous"])
+    with pytest.raises(ValueError, match="--cp-strategy and --cp-split belong to context-parallel runs"):
+        parse_arguments(["--cp-split", "contiguous"])
     with pytest.raises(ValueError, match="context parallelism here needs dropout=0"):
         check_3d(GPTConfig.preset("100k", dropout=0.1), 1, 1, 1, cp=2)
     with pytest.raises(ValueError, match="leaves rank 3 only padding"):

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from labkit.costmodel.experts import ep_messages, ep_uniform_bytes
+from labkit.degrees import check_ep
 from labkit.launch import launch
-from labkit.mesh import Mesh, check_ep, mesh_groups
+from labkit.mesh import Mesh, mesh_groups
 from labkit.models import GPTConfig, TinyGPT
 from labkit.parallel.experts import (
     ExpertParallelGroup,

@@ -34,10 +34,10 @@ LAYERS = [  # lowest first; a module's layer is the first prefix that matches
     # models (the 3D step model prices a schedule with them), kept beside the runtime that runs the same tables;
     # so is context parallelism's layout (which tokens a rank holds, the causal work of each tile), and the MoE layer
     # that TinyGPT's blocks hold (router, permutation, layer: one process; expert parallelism is a layer above).
-    ("workloads and models", ("labkit.costmodel", "labkit.data", "labkit.models", "labkit.parallel.pipeline.schedule",
+    ("workloads and models", ("labkit.degrees", "labkit.costmodel", "labkit.data", "labkit.models", "labkit.parallel.pipeline.schedule",
                               "labkit.parallel.pipeline.zero_bubble", "labkit.parallel.pipeline.catalog",
                               "labkit.parallel.pipeline.engine",
-                              "labkit.parallel.pipeline.simulate", "labkit.parallel.context.layout",
+                              "labkit.parallel.pipeline.simulate", "labkit.parallel.context.sequence",
                               "labkit.parallel.experts.router", "labkit.parallel.experts.permute",
                               "labkit.parallel.experts.layer")),
     ("runtime", ("labkit.dist", "labkit.launch", "labkit.mesh", "labkit.trace", "labkit.collectives",

@@ -25,8 +25,8 @@ from labkit.launch import launch
 from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
 from labkit.parallel.base import ParallelWrapper
 from labkit.parallel.ddp import DistributedDataParallel
+from labkit.parallel.flat_shards import FlatShards
 from labkit.parallel.fsdp import FullyShardedDataParallel
-from labkit.parallel.shard_layout import ShardLayout
 from labkit.parallel.zero import ShardedOptimizer, ZeroDataParallel
 
 ATOL = 1e-5
@@ -645,9 +645,9 @@ LAYOUTS = [[(5, 3), (2,), (7, 2, 2)], [(), (4,), ()], [(1, 6), (3, 1, 5)], [(0, 
 
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4))
 @pytest.mark.parametrize("shapes", LAYOUTS, ids=str)
-def test_shard_layout_cuts_every_tensor_along_dim_0_as_torch_chunk_does(shapes, world_size):
+def test_flat_shards_cut_every_tensor_along_dim_0_as_torch_chunk_does(shapes, world_size):
     tensors = [torch.randn(shape) for shape in shapes]
-    layouts = [ShardLayout(shapes, world_size, rank) for rank in range(world_size)]
+    layouts = [FlatShards(shapes, world_size, rank) for rank in range(world_size)]
     padded = _padded_and_local([torch.Size(shape) for shape in shapes], world_size, 0)[0]
     for rank, layout in enumerate(layouts):
         assert layout.shard_numel == max(1, padded)
@@ -671,8 +671,8 @@ def test_shard_layout_cuts_every_tensor_along_dim_0_as_torch_chunk_does(shapes, 
     assert all(torch.equal(a, b) for a, b in zip(restored, tensors, strict=True))
 
 
-def test_shard_layout_pieces_are_views_a_stepped_piece_changes_its_parameter():
+def test_flat_shards_pieces_are_views_a_stepped_piece_changes_its_parameter():
     weight = torch.zeros(5, 3)
-    piece = ShardLayout([weight.shape], 2, 1).pieces_of([weight])[0]
+    piece = FlatShards([weight.shape], 2, 1).pieces_of([weight])[0]
     piece.add_(1.0)
     assert weight[3:].eq(1).all() and weight[:3].eq(0).all()

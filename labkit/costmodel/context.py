@@ -52,7 +52,7 @@ from typing import Any
 from labkit.costmodel.collectives import LinkModel, ring_all_gather_cost, ring_reduce_scatter_cost
 from labkit.costmodel.memory import korthikanti_layer_activation_bytes
 from labkit.costmodel.shapes import num_parameters
-from labkit.parallel.context.layout import chunk_positions, padded_length
+from labkit.parallel.context.sequence import chunk_positions, padded_length
 
 KINDS_ON_LINK = ("send", "all_gather", "reduce_scatter", "all_to_all")
 

@@ -103,6 +103,7 @@ from __future__ import annotations
 import dataclasses
 
 from labkit.costmodel.shapes import PRECISIONS, TransformerShape, check_amount, check_count
+from labkit.degrees import check_degree
 from labkit.models import GPTConfig
 
 # Optimizer states (fp32 tensors the size of the parameter) per optimizer.
@@ -241,7 +242,7 @@ def layer_activation_bytes(shape: TransformerShape, micro_batch: int, precision:
     :func:`korthikanti_layer_activation_bytes`.
     """
     check_count("micro_batch", micro_batch)
-    check_count("tp_degree", tp_degree)
+    check_degree("tp_degree", tp_degree)
     if shape.num_heads % tp_degree or shape.num_kv_heads % tp_degree:
         raise ValueError(f"tp_degree={tp_degree} must divide num_heads={shape.num_heads} "
                          f"and num_kv_heads={shape.num_kv_heads}")
@@ -297,7 +298,7 @@ def tinygpt_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | 
             or not 0 <= checkpointed <= config.n_layer:
         raise ValueError(f"checkpointed must be an integer in [0, {config.n_layer}], got {checkpointed!r}")
     t = 1 if tp_degree is None else tp_degree
-    check_count("tp_degree", t)
+    check_degree("tp_degree", t)
     if config.n_head % t or (sequence_parallel and s % t):
         raise ValueError(f"tp_degree={t} must divide n_head={config.n_head}"
                          + (f" and the sequence length {s}" if sequence_parallel else ""))

@@ -146,6 +146,7 @@ from labkit.costmodel.compute import GPUS, model_flops_per_step, narayanan_flops
 from labkit.costmodel.planner import Cluster, layout_memory
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.step import Layout
+from labkit.degrees import check_degree
 
 MEGATRON_README = ("NVIDIA, Megatron-LM README, 'Performance Benchmarking' (commit f2e5db402c, 2024-07-15, "
                    "Megatron-Core r0.8.0), https://github.com/NVIDIA/Megatron-LM")
@@ -208,8 +209,9 @@ class PublishedRun:
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{self.name}: architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
-        for field in ("gpus", "tp", "pp", "dp", "cp", "global_batch", "micro_batch", "virtual_stages",
-                      "gradient_bytes"):
+        for field in ("tp", "pp", "dp", "cp"):
+            check_degree(field, getattr(self, field), f"{self.name}: {field}")
+        for field in ("gpus", "global_batch", "micro_batch", "virtual_stages", "gradient_bytes"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.name}: {field} must be an integer >= 1, got {value!r}")

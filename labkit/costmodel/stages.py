@@ -28,6 +28,7 @@ from labkit.costmodel.compute import head_flops, layer_flops, model_flops_per_st
 from labkit.costmodel.context import cp_layer_seconds
 from labkit.costmodel.experts import ep_all_to_all_s
 from labkit.costmodel.shapes import expert_parameters, layer_parameters, num_parameters
+from labkit.degrees import check_degree, check_degrees
 from labkit.parallel.pipeline.catalog import V_SHAPED
 from labkit.parallel.pipeline.schedule import stage_rank
 
@@ -53,6 +54,10 @@ class Layout:
     cp: int = 1
     cp_strategy: str = "ring"
     ep: int = 1
+
+    def __post_init__(self) -> None:
+        check_degrees(self.dp, self.tp, self.pp, self.cp)
+        check_degree("ep", self.ep)
 
     @property
     def gpus(self) -> int:

@@ -42,6 +42,7 @@ from labkit.costmodel.collectives import (
     ring_all_reduce_cost,
     ring_reduce_scatter_cost,
 )
+from labkit.degrees import check_degree
 from labkit.models import GPTConfig
 
 
@@ -203,7 +204,7 @@ def parameters_per_rank(config: GPTConfig, tp_degree: int, vocab_divisible_by: i
     option) with the column-parallel biases; ``"replicated"``, what every rank holds whole (the norms, the
     row-parallel biases, the position embedding).  Times 4 bytes for fp32 weights, 4 more for their gradients
     and 8 for AdamW's two moments."""
-    _check_count("tp_degree", tp_degree)
+    check_degree("tp_degree", tp_degree)
     _check_count("vocab_divisible_by", vocab_divisible_by)
     h, t = config.n_embd, tp_degree
     multiple = vocab_divisible_by * t
@@ -288,7 +289,7 @@ def tensor_parallel_layer_time(micro_batch: int, seq_len: int, hidden_size: int,
     sent grows with ``h`` (``72 b s h^2`` against ``b s h``), so a wide layer keeps the communication a
     fraction of the compute over NVLink (hundreds of GB/s per GPU, inside a node), while InfiniBand (about a
     ninth of that per GPU) makes it most of the layer's time."""
-    _check_count("tp_degree", tp_degree)
+    check_degree("tp_degree", tp_degree)
     if not peak_flops > 0:
         raise ValueError(f"peak_flops must be a number > 0, got {peak_flops!r}")
     compute_s = layer_training_flops(micro_batch, seq_len, hidden_size) / (tp_degree * peak_flops)

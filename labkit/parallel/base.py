@@ -28,7 +28,7 @@ follows from ``labkit.costmodel.collectives`` (``2 (N-1)/N n`` for a ring all-re
 forward pass that follows a completed gradient reduction to the next such forward: it includes the optimizer's
 communication (ZeRO's all-gather of updated shards) and every micro-batch of gradient accumulation.
 
-The shard layout that ZeRO-2 and FSDP share is in :mod:`labkit.parallel.shard_layout`.
+The flat shards that ZeRO-2 and FSDP share are :mod:`labkit.parallel.flat_shards`'s.
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ ZeRO-3      + parameters              ``16 Psi / N``            2 all-gathers + 
 A ring all-reduce *is* a reduce-scatter and an all-gather, so ZeRO-2 moves what DDP moves; our ZeRO-1 is
 ``torch.distributed.optim.ZeroRedundancyOptimizer``'s (DDP's all-reduce, then a broadcast of the updated
 parameters).  ``communication_per_step()`` counts the bytes that entered each collective in the last step;
-``predicted_communication()`` is the same from the layout, and the tests hold the two equal.
+``predicted_communication()`` is the same from the shards, and the tests hold the two equal.
 
 **Layouts.**  Stage 1 gives each rank *whole parameters*, balanced greedily (largest first, to the least loaded
-rank), so any optimizer works, also LAMB or Adafactor.  Stage 2 uses ``fully_shard``'s ``ShardLayout`` (as
+rank), so any optimizer works, also LAMB or Adafactor.  Stage 2 uses ``fully_shard``'s ``FlatShards`` (as
 ZeRO-3 does): each parameter is cut along dim 0 into ``N`` chunks of ``ceil(rows / N)`` rows, rank ``r`` steps
 its chunk (a *piece*, a view of the parameter's rows; element-wise optimizers only: SGD, Adam, AdamW, ...),
 and for one collective per bucket each rank's chunks, padded, lie end to end in a flat shard.
@@ -63,7 +63,7 @@ from labkit.parallel.base import (
     reduce_scatter_tensor,
 )
 from labkit.parallel.ddp import DistributedDataParallel, MiB, assign_buckets
-from labkit.parallel.shard_layout import ShardLayout, add_shard_gradients
+from labkit.parallel.flat_shards import FlatShards, add_shard_gradients
 
 
 @dataclass
@@ -71,7 +71,7 @@ class _GradientBucket:
     """Stage 2: parameters whose gradients are reduce-scattered together, and this pass's progress."""
 
     parameters: list[nn.Parameter]
-    layout: ShardLayout
+    shards: FlatShards
     pieces: list[torch.Tensor | None]  # this rank's rows of each parameter (None: it has none here)
     ready: list[bool] | None = None
     flat: torch.Tensor | None = None  # the padded full gradient buffer while it fills and is reduce-scattered
@@ -120,7 +120,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for bucket in self._buckets:
                 for index, (p, piece) in enumerate(zip(bucket.parameters, bucket.pieces, strict=True)):
                     if piece is not None:
-                        first = bucket.layout.local_rows(index)[0] * bucket.layout.row_numel[index]
+                        first = bucket.shards.local_rows(index)[0] * bucket.shards.row_numel[index]
                         self.piece_of[id(p)], self._origin[id(piece)] = piece, (index_of[id(p)], first)
             self._pass_started, self._next_bucket = False, 0
         self.local_optimizer = optimizer_cls(
@@ -146,20 +146,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.stage == 1:  # each rank broadcasts what it updated, one message per (owner, dtype)
             for owner, owned in enumerate(self.owned):
                 for same_dtype in by_dtype(owned):
-                    layout = ShardLayout([p.shape for p in same_dtype], 1, 0)  # over one rank: concatenation
-                    flat = same_dtype[0].new_empty(layout.padded_numel)
+                    shards = FlatShards([p.shape for p in same_dtype], 1, 0)  # over one rank: concatenation
+                    flat = same_dtype[0].new_empty(shards.padded_numel)
                     if owner == self.rank:
-                        layout.pack(same_dtype, flat)
+                        shards.pack(same_dtype, flat)
                     self._count("broadcast", flat)
                     dist.broadcast(flat, src=global_rank(self.group, owner), group=self.group)
                     if owner != self.rank:
-                        layout.unpack(flat, same_dtype)
+                        shards.unpack(flat, same_dtype)
         else:  # every rank's updated shard of every bucket, to everyone
             for bucket in self._buckets:
-                full = bucket.parameters[0].new_empty(bucket.layout.padded_numel)
+                full = bucket.parameters[0].new_empty(bucket.shards.padded_numel)
                 self._count("all_gather", full)
-                all_gather_tensor(full, bucket.layout.pack_shard(bucket.parameters), group=self.group)
-                bucket.layout.unpack(full, bucket.parameters)
+                all_gather_tensor(full, bucket.shards.pack_shard(bucket.parameters), group=self.group)
+                bucket.shards.unpack(full, bucket.parameters)
         self._step_finished = True
         return loss
 
@@ -186,9 +186,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         buckets = []
         for positions in assign_buckets(trainable, int(bucket_cap_mb * MiB)):
             parameters = [trainable[position][1] for position in positions]
-            layout = ShardLayout([p.shape for p in parameters], self.world_size, self.rank)
-            pieces = layout.pieces_of([p.detach() for p in parameters])
-            buckets.append(_GradientBucket(parameters, layout, [piece if piece.numel() else None for piece in pieces]))
+            shards = FlatShards([p.shape for p in parameters], self.world_size, self.rank)
+            pieces = shards.pieces_of([p.detach() for p in parameters])
+            buckets.append(_GradientBucket(parameters, shards, [piece if piece.numel() else None for piece in pieces]))
             buckets[-1].reset()
             for position, p in enumerate(parameters):
                 p.register_post_accumulate_grad_hook(partial(self._on_gradient_ready, buckets[-1], position))
@@ -201,9 +201,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._pass_started = True
             queue_end_of_backward(self._finish_gradient_reduction)
         if bucket.flat is None:
-            bucket.flat = param.new_zeros(bucket.layout.padded_numel)
+            bucket.flat = param.new_zeros(bucket.shards.padded_numel)
         with torch.no_grad():
-            bucket.layout.copy_in(position, param.grad, bucket.flat)
+            bucket.shards.copy_in(position, param.grad, bucket.flat)
         param.grad = None  # the full gradient is not kept: that is stage 2's saving
         bucket.ready[position] = True
         while self._next_bucket < len(self._buckets) and all(self._buckets[self._next_bucket].ready):
@@ -215,8 +215,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._deliver(self._buckets[index - 1])  # and free its buffer
         bucket = self._buckets[index]
         if bucket.flat is None:  # no gradient arrived in this pass: contribute zeros
-            bucket.flat = bucket.parameters[0].new_zeros(bucket.layout.padded_numel)
-        bucket.shard = bucket.flat.new_empty(bucket.layout.shard_numel)
+            bucket.flat = bucket.parameters[0].new_zeros(bucket.shards.padded_numel)
+        bucket.shard = bucket.flat.new_empty(bucket.shards.shard_numel)
         self._count("reduce_scatter", bucket.flat)
         bucket.handle = reduce_scatter_tensor(bucket.shard, bucket.flat, group=self.group, async_op=True)
 
@@ -224,7 +224,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Wait for a bucket's reduce-scatter; its shard becomes (or is added to) the pieces' gradients."""
         if bucket.handle is not None:
             bucket.handle.wait()
-            add_shard_gradients(bucket.shard.div_(self.world_size), bucket.pieces, bucket.layout)
+            add_shard_gradients(bucket.shard.div_(self.world_size), bucket.pieces, bucket.shards)
             bucket.flat, bucket.handle = None, None
 
     def _finish_gradient_reduction(self) -> None:
@@ -248,8 +248,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if all(p.grad is None for bucket in self._buckets for p in bucket.parameters):
             return  # nothing was accumulated (every rank ran the same backward passes)
         for bucket in self._buckets:
-            bucket.flat = bucket.layout.pack([p.grad for p in bucket.parameters],
-                                             bucket.parameters[0].new_empty(bucket.layout.padded_numel))
+            bucket.flat = bucket.shards.pack([p.grad for p in bucket.parameters],
+                                             bucket.parameters[0].new_empty(bucket.shards.padded_numel))
             for p in bucket.parameters:
                 p.grad = None
         self._finish_gradient_reduction()
@@ -305,11 +305,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return dict(self._traffic)
 
     def predicted_communication(self) -> dict[str, int]:
-        """The same, from the layout: stage 1 broadcasts every trainable parameter once; stage 2
+        """The same, from the shards: stage 1 broadcasts every trainable parameter once; stage 2
         reduce-scatters and all-gathers every bucket's padded buffer once."""
         if self.stage == 1:
             return {"broadcast": sum(p.numel() * p.element_size() for p in self.all_parameters if p.requires_grad)}
-        volume = sum(b.layout.padded_numel * b.parameters[0].element_size() for b in self._buckets)
+        volume = sum(b.shards.padded_numel * b.parameters[0].element_size() for b in self._buckets)
         return {"reduce_scatter": volume, "all_gather": volume}
 
 

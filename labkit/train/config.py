@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from labkit import checkpoint, dist, monitor
+from labkit.degrees import check_degree
 from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
 from labkit.parallel.parallelize import check_3d
 from labkit.parallel.pipeline.catalog import SCHEDULES
@@ -52,7 +53,7 @@ class TrainConfig:
     pp: int | None = None
     cp: int | None = None  # context parallelism: each sequence split over cp ranks (labkit.parallel.context)
     cp_strategy: str = "ring"  # or "all_gather" (Llama 3), "ulysses" (all-to-all)
-    cp_layout: str = "zigzag"  # or "contiguous" (the causal imbalance, for comparison)
+    cp_split: str = "zigzag"  # or "contiguous" (the causal imbalance, for comparison)
     ep: int | None = None  # expert parallelism, folded over dp x cp (labkit.parallel.experts)
     experts: int = 0  # MoE: experts per block (0: dense MLPs)
     top_k: int = 2  # MoE: experts per token
@@ -137,8 +138,7 @@ class TrainConfig:
             return
         tp, pp, cp = self.tp or 1, self.pp or 1, self.cp or 1
         for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", self.dp or 1), ("ep", self.ep or 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name} must be an integer >= 1, got {value!r}")
+            check_degree(name, value, f"--{name}")
         if self.dp is None:
             if world_size % (tp * pp * cp):
                 raise ValueError(f"--tp {tp} * --pp {pp} * --cp {cp} = {tp * pp * cp} does not divide the "
@@ -153,7 +153,7 @@ class TrainConfig:
         check_3d(config, self.dp or 1, self.tp or 1, self.pp or 1, zero=self.zero, schedule=self.schedule,
                  microbatches=self.default_microbatches(), virtual_stages=self.virtual_stages,
                  batch_size=self.batch_size, world_size=world_size, cp=self.cp or 1, cp_strategy=self.cp_strategy,
-                 cp_layout=self.cp_layout, seq_len=config.block_size,
+                 cp_split=self.cp_split, seq_len=config.block_size,
                  ep=(self.ep or 1) if self.dp is not None else 1)  # ep divides dp: checked once dp is known
 
     def validate(self) -> None:
@@ -225,8 +225,8 @@ class TrainConfig:
             self._check_layout()
         elif (self.zero, self.schedule, self.microbatches) != (0, "1f1b", None):
             raise ValueError("--zero, --schedule and --microbatches belong to 3D runs: give --dp/--tp/--pp too")
-        elif (self.cp_strategy, self.cp_layout) != ("ring", "zigzag"):
-            raise ValueError("--cp-strategy and --cp-layout belong to context-parallel runs: give --cp too")
+        elif (self.cp_strategy, self.cp_split) != ("ring", "zigzag"):
+            raise ValueError("--cp-strategy and --cp-split belong to context-parallel runs: give --cp too")
 
 
 def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
@@ -253,7 +253,9 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--cp", type=int, default=None,
                         help="context parallelism: each sequence split over CP ranks (default 1)")
     parser.add_argument("--cp-strategy", default="ring", help="with --cp: ring, all_gather or ulysses")
-    parser.add_argument("--cp-layout", default="zigzag", help="with --cp: zigzag (balanced) or contiguous")
+    parser.add_argument("--cp-split", "--cp-layout", dest="cp_split", default="zigzag",
+                        help="with --cp: how a sequence is split over the cp ranks, zigzag (balanced) or contiguous "
+                             "(--cp-layout: its earlier name)")
     parser.add_argument("--ep", type=int, default=None,
                         help="expert parallelism: the experts split over EP of the dp x cp ranks (default 1)")
     parser.add_argument("--experts", type=int, default=0, help="MoE: experts per block (default 0: dense MLPs)")

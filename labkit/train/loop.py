@@ -161,7 +161,7 @@ def _wrap(plain: nn.Module, mesh: Mesh | None, config: TrainConfig) -> ParallelW
     return parallelize(plain, mesh, zero=config.zero, schedule=config.schedule, microbatches=config.microbatches,
                        virtual_stages=config.virtual_stages, micro_batch_size=config.batch_size // config.microbatches,
                        seq_len=plain.config.block_size, bucket_cap_mb=config.bucket_cap_mb, seed=config.seed,
-                       cp_strategy=config.cp_strategy, cp_layout=config.cp_layout)
+                       cp_strategy=config.cp_strategy, cp_split=config.cp_split)
 
 
 def train(config: TrainConfig) -> dict:
@@ -202,7 +202,7 @@ def train(config: TrainConfig) -> dict:
     tokens = config.batch_size * (config.gpt_config().block_size if config.model == "tiny-gpt" else 1)
     if dist.is_main():
         layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}"
-                  + (f" x cp={config.cp} ({config.cp_strategy}, {config.cp_layout})" if config.cp > 1 else "")
+                  + (f" x cp={config.cp} ({config.cp_strategy}, {config.cp_split})" if config.cp > 1 else "")
                   + (f", experts over ep={config.ep}" if config.ep > 1 else "")
                   + f", {DP_WRAPPERS[config.zero]} over dp, "
                   f"{config.schedule} with {config.microbatches} micro-batch{'es' if config.microbatches > 1 else ''}"

@@ -23,7 +23,7 @@ from labkit.costmodel.compute import GPUS
 from labkit.costmodel.planner import Cluster
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.step import Hardware, Layout
-from labkit.parallel.context.layout import Tiles, block_slices, chunk_positions, tile_kind
+from labkit.parallel.context.sequence import Tiles, block_slices, chunk_positions, tile_kind
 from labkit.viz.plots import RANK_COLORS, figure_to_png
 from labkit.viz.widgets import ROW, connect
 
@@ -198,7 +198,7 @@ def plot_playbook_memory(shape: TransformerShape, seq_lens: Sequence[int],
     return figure
 
 
-def plot_layout_tiles(seq_len: int, block_size: int, cp: int) -> Figure:
+def plot_split_tiles(seq_len: int, block_size: int, cp: int) -> Figure:
     """The causal tiles of ``seq_len`` tokens in blocks of ``block_size`` over ``cp`` ranks, contiguous beside
     zig-zag (:func:`plot_tiles` each): what :func:`attention_explorer` draws."""
     figure = Figure(figsize=(9.2, 4.4))
@@ -219,7 +219,7 @@ def attention_explorer(seq_len: int = 48, block_size: int = 8, cp: int = 2) -> w
 
     def redraw() -> None:
         s, b, c = length.value, block.value, ranks.value
-        picture.value = figure_to_png(plot_layout_tiles(s, b, c))
+        picture.value = figure_to_png(plot_split_tiles(s, b, c))
         tiles = Tiles()
         n = -(-s // b)
         tiles.computed, tiles.skipped = n * (n + 1) // 2, n * (n - 1) // 2

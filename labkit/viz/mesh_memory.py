@@ -63,7 +63,7 @@ from matplotlib.figure import Figure
 
 from labkit.costmodel.memory import activation_bytes, memory_per_rank
 from labkit.costmodel.shapes import TransformerShape, num_parameters
-from labkit.mesh import check_degrees
+from labkit.degrees import check_degrees
 from labkit.viz.mesh_plots import MEMORY_PARTS, plot_mesh
 
 LLAMA_2_70B = TransformerShape.preset("llama-2-70b")

@@ -26,7 +26,8 @@ from matplotlib import path as matplotlib_path
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from labkit.mesh import check_degrees, mesh_coordinates, mesh_groups
+from labkit.degrees import check_degrees
+from labkit.mesh import mesh_coordinates, mesh_groups
 
 DIM_COLORS = {"tp": "#0072B2", "dp": "#009E73", "pp": "#D55E00"}  # Okabe & Ito: blue, bluish green, vermillion
 DIM_NAMES = {"tp": "TP", "dp": "DP", "pp": "PP"}

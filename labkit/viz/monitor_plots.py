@@ -67,7 +67,7 @@ def plot_deviations(deviations: Sequence[Sequence[float]], ranks: Sequence[int],
     return figure
 
 
-def plot_loader_timeline(timeline: loader.Timeline, workers: int, t_compute: float, title: str) -> Figure:
+def plot_loader_timeline(timeline: loader.LoaderTimeline, workers: int, t_compute: float, title: str) -> Figure:
     """The simulated DataLoader: a row per worker (each batch it makes, numbered) and the training loop's row
     (waiting for data in red, computing in blue), in milliseconds."""
     rows = max(workers, 1) + 1

@@ -2,7 +2,7 @@
 
 - ``blockwise``: FlashAttention-2's tiled forward (online softmax, log-sum-exp) and backward (recomputed from
   the LSE), in PyTorch; the LSE merge of partial results;
-- ``layout``: which tokens each of ``cp`` ranks holds (contiguous or zig-zag), their positions, the padding of
+- ``split``: which tokens each of ``cp`` ranks holds (contiguous or zig-zag), their positions, the padding of
   a causal sequence, the causal work per rank;
 - ``attention``: one sequence's attention over ``cp`` ranks: ring (pass-KV), all-gather (Llama 3) and Ulysses
   (all-to-all), each recorded byte by byte.
@@ -25,8 +25,8 @@ from labkit.parallel.context.blockwise import (
     merge_partials,
     textbook_attention,
 )
-from labkit.parallel.context.layout import (
-    LAYOUTS,
+from labkit.parallel.context.sequence import (
+    SPLITS,
     chunk_positions,
     gather_sequence,
     pad_batch,
@@ -35,7 +35,7 @@ from labkit.parallel.context.layout import (
     shard_sequence,
 )
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "LAYOUTS", "STRATEGIES", "ContextParallelGroup", "Tiles", "attention_backward",
+__all__ = ["DEFAULT_BLOCK_SIZE", "SPLITS", "STRATEGIES", "ContextParallelGroup", "Tiles", "attention_backward",
            "attention_forward", "attention_reference", "blockwise_attention", "causal_tiles", "check_ulysses_heads",
            "chunk_positions", "context_parallel_attention", "gather_sequence", "merge_partials", "pad_batch",
            "padded_length", "ring_tiles", "shard_sequence", "textbook_attention"]

@@ -1,6 +1,6 @@
 """Context parallelism: one sequence's attention over ``cp`` ranks, three ways, all on the blockwise kernel.
 
-Each rank holds ``s / cp`` of the sequence's tokens (:mod:`labkit.parallel.context.layout`: contiguous or
+Each rank holds ``s / cp`` of the sequence's tokens (:mod:`labkit.parallel.context.sequence`: contiguous or
 zig-zag) and their ``q, k, v`` ``[batch, heads, s / cp, d]``.  Everything in a transformer but attention works
 token by token, so it needs no communication; attention needs every earlier key.  Write ``N = b (s / cp) h``
 for the elements of one rank's ``K`` (``h = heads x d``), ``e`` for the bytes of one element.
@@ -51,7 +51,7 @@ from labkit.parallel.context.blockwise import (
     merge_partials,
     softmax_delta,
 )
-from labkit.parallel.context.layout import check_cp, chunk_positions
+from labkit.parallel.context.sequence import check_cp, chunk_positions
 
 STRATEGIES = ("ring", "all_gather", "ulysses")
 
@@ -64,11 +64,11 @@ class ContextParallelGroup:
     messages, else the collective's name; bytes counted as :mod:`labkit.parallel.base` counts them).
     """
 
-    def __init__(self, group: Any = None, layout: str = "zigzag", block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, group: Any = None, split: str = "zigzag", block_size: int = DEFAULT_BLOCK_SIZE):
         self.group = require_group(group)
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        check_cp(self.size, layout)
-        self.layout, self.block_size = layout, block_size
+        check_cp(self.size, split)
+        self.split, self.block_size = split, block_size
         self.log: list[tuple[str, str, int]] = []
         self.tiles = Tiles()
         self._positions: dict[tuple[int, int], torch.Tensor] = {}
@@ -77,7 +77,7 @@ class ContextParallelGroup:
         """The whole-sequence positions of rank ``rank``'s (default: this rank's) ``local_len`` tokens."""
         rank = self.rank if rank is None else rank
         if (local_len, rank) not in self._positions:
-            self._positions[local_len, rank] = chunk_positions(local_len * self.size, self.size, rank, self.layout)
+            self._positions[local_len, rank] = chunk_positions(local_len * self.size, self.size, rank, self.split)
         return self._positions[local_len, rank]
 
     def all_positions(self, local_len: int) -> torch.Tensor:
@@ -158,18 +158,18 @@ def _wait(pending: _Pending | None) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallelGroup,
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ContextParallelGroup,
                 causal: bool) -> torch.Tensor:
         local = q.shape[2]
         kv = torch.stack([k, v])
         out = lse = None
-        for step in range(cp.size):
-            source = (cp.rank - step) % cp.size
-            works, incoming = cp.rotate([(kv, "kv")]) if step < cp.size - 1 else (None, [kv])
-            with trace.span(f"attention q{cp.rank} kv{source}", "compute"):
-                part = attention_forward(q, kv[0], kv[1], causal=causal, block_size=cp.block_size,
-                                         q_positions=cp.positions(local), k_positions=cp.positions(local, source),
-                                         tiles=cp.tiles)
+        for step in range(cp_group.size):
+            source = (cp_group.rank - step) % cp_group.size
+            works, incoming = cp_group.rotate([(kv, "kv")]) if step < cp_group.size - 1 else (None, [kv])
+            with trace.span(f"attention q{cp_group.rank} kv{source}", "compute"):
+                part = attention_forward(q, kv[0], kv[1], causal=causal, block_size=cp_group.block_size,
+                                         q_positions=cp_group.positions(local), k_positions=cp_group.positions(local, source),
+                                         tiles=cp_group.tiles)
                 out, lse = part if out is None else merge_partials(out, lse, *part)
             _wait(works)
             kv = incoming[0]
@@ -177,30 +177,30 @@ class _RingAttention(torch.autograd.Function):
         # the output projection then reads it without a copy of its own.
         out = torch.empty_like(q).copy_(out)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.causal = cp, causal
+        ctx.cp_group, ctx.causal = cp_group, causal
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        cp, local = ctx.cp, q.shape[2]
+        cp_group, local = ctx.cp_group, q.shape[2]
         dout = dout.contiguous()
         delta = softmax_delta(out, dout)
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v])
         own = pending = None
-        for step in range(cp.size):
-            source = (cp.rank - step) % cp.size
+        for step in range(cp_group.size):
+            source = (cp_group.rank - step) % cp_group.size
             # The dK, dV of the block held now arrive from the rank that held it last step (from step 2 on: at
             # step 1 the block's first share is computed here); this rank's last share leaves in the same batch.
             sends = [(pending, "dkv")] if pending is not None else []
-            if step < cp.size - 1:
+            if step < cp_group.size - 1:
                 sends.append((kv, "kv"))
-            works, incoming = cp.rotate(sends) if sends else (None, [])
-            with trace.span(f"attention backward q{cp.rank} kv{source}", "compute"):
+            works, incoming = cp_group.rotate(sends) if sends else (None, [])
+            with trace.span(f"attention backward q{cp_group.rank} kv{source}", "compute"):
                 dq_part, dk, dv = attention_backward(
-                    q, kv[0], kv[1], dout, lse, delta, causal=ctx.causal, block_size=cp.block_size,
-                    q_positions=cp.positions(local), k_positions=cp.positions(local, source), tiles=cp.tiles)
+                    q, kv[0], kv[1], dout, lse, delta, causal=ctx.causal, block_size=cp_group.block_size,
+                    q_positions=cp_group.positions(local), k_positions=cp_group.positions(local, source), tiles=cp_group.tiles)
             dq += dq_part
             dkv = torch.stack([dk, dv])
             _wait(works)
@@ -213,7 +213,7 @@ class _RingAttention(torch.autograd.Function):
             if incoming:
                 kv = incoming[0]
         if pending is not None:  # the last share goes home: rank r + 1 held rank r's block at the last step
-            works, incoming = cp.rotate([(pending, "dkv")])
+            works, incoming = cp_group.rotate([(pending, "dkv")])
             _wait(works)
             own = own + incoming[0]
         return dq, own[0], own[1], None, None
@@ -231,32 +231,32 @@ def _gathered(stacked: torch.Tensor) -> torch.Tensor:
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallelGroup,
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ContextParallelGroup,
                 causal: bool) -> torch.Tensor:
         local = q.shape[2]
-        kv = _gathered(cp.all_gather(torch.stack([k, v]), "kv"))
-        with trace.span(f"attention q{cp.rank} all kv", "compute"):
-            out, lse = attention_forward(q, kv[0], kv[1], causal=causal, block_size=cp.block_size,
-                                         q_positions=cp.positions(local), k_positions=cp.all_positions(local),
-                                         tiles=cp.tiles)
+        kv = _gathered(cp_group.all_gather(torch.stack([k, v]), "kv"))
+        with trace.span(f"attention q{cp_group.rank} all kv", "compute"):
+            out, lse = attention_forward(q, kv[0], kv[1], causal=causal, block_size=cp_group.block_size,
+                                         q_positions=cp_group.positions(local), k_positions=cp_group.all_positions(local),
+                                         tiles=cp_group.tiles)
         ctx.save_for_backward(q, k, v, out, lse)  # this rank's K, V only: gathered again backward
-        ctx.cp, ctx.causal = cp, causal
+        ctx.cp_group, ctx.causal = cp_group, causal
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        cp, local = ctx.cp, q.shape[2]
+        cp_group, local = ctx.cp_group, q.shape[2]
         dout = dout.contiguous()
-        kv = _gathered(cp.all_gather(torch.stack([k, v]), "kv"))
-        with trace.span(f"attention backward q{cp.rank} all kv", "compute"):
+        kv = _gathered(cp_group.all_gather(torch.stack([k, v]), "kv"))
+        with trace.span(f"attention backward q{cp_group.rank} all kv", "compute"):
             dq, dk, dv = attention_backward(q, kv[0], kv[1], dout, lse, softmax_delta(out, dout),
-                                            causal=ctx.causal, block_size=cp.block_size,
-                                            q_positions=cp.positions(local), k_positions=cp.all_positions(local),
-                                            tiles=cp.tiles)
+                                            causal=ctx.causal, block_size=cp_group.block_size,
+                                            q_positions=cp_group.positions(local), k_positions=cp_group.all_positions(local),
+                                            tiles=cp_group.tiles)
         batch, heads, _, dim = dk.shape
-        per_rank = torch.stack([dk, dv]).view(2, batch, heads, cp.size, local, dim).permute(3, 0, 1, 2, 4, 5)
-        own = cp.reduce_scatter(per_rank, "dkv")
+        per_rank = torch.stack([dk, dv]).view(2, batch, heads, cp_group.size, local, dim).permute(3, 0, 1, 2, 4, 5)
+        own = cp_group.reduce_scatter(per_rank, "dkv")
         return dq, own[0], own[1], None, None
 
 
@@ -264,35 +264,35 @@ class _AllGatherAttention(torch.autograd.Function):
 # Ulysses (all-to-all)
 
 
-def _sequence_to_heads(x: torch.Tensor, cp: ContextParallelGroup, what: str) -> torch.Tensor:
+def _sequence_to_heads(x: torch.Tensor, cp_group: ContextParallelGroup, what: str) -> torch.Tensor:
     """``[n, heads, s/cp, d]`` sequence-sharded -> ``[n, heads/cp, s, d]`` head-sharded (rank order of tokens)."""
     n, heads, local, dim = x.shape
-    send = x.view(n, cp.size, heads // cp.size, local, dim).transpose(0, 1)  # [destination, n, heads/cp, ...]
-    received = cp.all_to_all(send, what)  # [source, n, heads/cp, s/cp, d]
-    return received.permute(1, 2, 0, 3, 4).reshape(n, heads // cp.size, cp.size * local, dim)
+    send = x.view(n, cp_group.size, heads // cp_group.size, local, dim).transpose(0, 1)  # [destination, n, heads/cp, ...]
+    received = cp_group.all_to_all(send, what)  # [source, n, heads/cp, s/cp, d]
+    return received.permute(1, 2, 0, 3, 4).reshape(n, heads // cp_group.size, cp_group.size * local, dim)
 
 
-def _heads_to_sequence(x: torch.Tensor, cp: ContextParallelGroup, what: str) -> torch.Tensor:
+def _heads_to_sequence(x: torch.Tensor, cp_group: ContextParallelGroup, what: str) -> torch.Tensor:
     """The inverse of :func:`_sequence_to_heads`."""
     n, group_heads, length, dim = x.shape
-    local = length // cp.size
-    send = x.view(n, group_heads, cp.size, local, dim).permute(2, 0, 1, 3, 4)  # [destination (its tokens), ...]
-    received = cp.all_to_all(send, what)  # [source (its heads), n, heads/cp, s/cp, d]
-    return received.transpose(0, 1).reshape(n, cp.size * group_heads, local, dim)
+    local = length // cp_group.size
+    send = x.view(n, group_heads, cp_group.size, local, dim).permute(2, 0, 1, 3, 4)  # [destination (its tokens), ...]
+    received = cp_group.all_to_all(send, what)  # [source (its heads), n, heads/cp, s/cp, d]
+    return received.transpose(0, 1).reshape(n, cp_group.size * group_heads, local, dim)
 
 
 class _AllToAll(torch.autograd.Function):
     """Sequence-sharded to head-sharded (``to_heads``) or back; the backward pass is the other way."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cp: ContextParallelGroup, what: str, to_heads: bool) -> torch.Tensor:
-        ctx.cp, ctx.what, ctx.to_heads = cp, what, to_heads
-        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x, cp, what)
+    def forward(ctx: Any, x: torch.Tensor, cp_group: ContextParallelGroup, what: str, to_heads: bool) -> torch.Tensor:
+        ctx.cp_group, ctx.what, ctx.to_heads = cp_group, what, to_heads
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x, cp_group, what)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         back = _heads_to_sequence if ctx.to_heads else _sequence_to_heads
-        return back(grad.contiguous(), ctx.cp, f"d{ctx.what}"), None, None, None
+        return back(grad.contiguous(), ctx.cp_group, f"d{ctx.what}"), None, None, None
 
 
 def check_ulysses_heads(heads: int, cp: int) -> None:
@@ -302,27 +302,27 @@ def check_ulysses_heads(heads: int, cp: int) -> None:
                          f"(use ring or all-gather context parallelism, or a cp that divides {heads})")
 
 
-def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallelGroup,
+def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ContextParallelGroup,
              causal: bool) -> torch.Tensor:
-    check_ulysses_heads(q.shape[1], cp.size)
+    check_ulysses_heads(q.shape[1], cp_group.size)
     batch, local = q.shape[0], q.shape[2]
-    qkv = _AllToAll.apply(torch.cat([q, k, v]), cp, "qkv", True)  # one all-to-all for the three
-    positions = cp.all_positions(local)
-    with trace.span(f"attention heads of rank {cp.rank}", "compute"):
+    qkv = _AllToAll.apply(torch.cat([q, k, v]), cp_group, "qkv", True)  # one all-to-all for the three
+    positions = cp_group.all_positions(local)
+    with trace.span(f"attention heads of rank {cp_group.rank}", "compute"):
         out, _ = BlockwiseAttention.apply(qkv[:batch], qkv[batch:2 * batch], qkv[2 * batch:], causal,
-                                          cp.block_size, None, positions, positions, cp.tiles)
-    return _AllToAll.apply(out, cp, "out", False)
+                                          cp_group.block_size, None, positions, positions, cp_group.tiles)
+    return _AllToAll.apply(out, cp_group, "out", False)
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallelGroup, *,
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ContextParallelGroup, *,
                                strategy: str = "ring", causal: bool = True) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys; ``q, k, v`` ``[batch, heads, s/cp, d]``
-    hold this rank's tokens (``cp.layout``), the result too.  Differentiable; equal to one process's attention
+    hold this rank's tokens (``cp.split``), the result too.  Differentiable; equal to one process's attention
     over the whole sequence, gathered (``tests/test_context_parallel.py``)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if cp.size == 1:
-        return BlockwiseAttention.apply(q, k, v, causal, cp.block_size, None, None, None, cp.tiles)[0]
+    if cp_group.size == 1:
+        return BlockwiseAttention.apply(q, k, v, causal, cp_group.block_size, None, None, None, cp_group.tiles)[0]
     implementation: dict[str, Callable[..., torch.Tensor]] = {
         "ring": _RingAttention.apply, "all_gather": _AllGatherAttention.apply, "ulysses": _ulysses}
-    return implementation[strategy](q, k, v, cp, causal)
+    return implementation[strategy](q, k, v, cp_group, causal)

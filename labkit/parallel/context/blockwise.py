@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from labkit.parallel.context.layout import Tiles, block_slices, tile_kind
+from labkit.parallel.context.sequence import Tiles, block_slices, tile_kind
 
 DEFAULT_BLOCK_SIZE = 64
 

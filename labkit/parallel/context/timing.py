@@ -1,7 +1,7 @@
 """One attention's forward and backward under context parallelism, measured on every rank: what lesson 13 and
 ``benchmarks/bench_cp.py`` show (run it on ``cp`` ranks with :func:`labkit.launch.launch`).
 
-Each rank holds its share of one batch of sequences (the same random ``q, k, v`` on every rank, cut by the layout),
+Each rank holds its share of one batch of sequences (the same random ``q, k, v`` on every rank, cut by the split),
 with one thread (``torch.set_num_threads(1)``: ranks sharing a laptop's cores otherwise time each other's threads).
 :func:`attention_run` returns this rank's median time of a forward and backward, the tiles its kernel computed, the
 bytes it sent (the group's log), the largest tensor it formed, the largest difference of its output and gradients
@@ -21,24 +21,24 @@ import torch.distributed as dist
 from labkit import trace
 from labkit.measure import LargestTensor
 from labkit.parallel.context.attention import ContextParallelGroup, context_parallel_attention
-from labkit.parallel.context.layout import shard_sequence
+from labkit.parallel.context.sequence import shard_sequence
 
 
-def attention_run(strategy: str = "ring", layout: str = "zigzag", *, batch: int = 1, heads: int = 4,
+def attention_run(strategy: str = "ring", split: str = "zigzag", *, batch: int = 1, heads: int = 4,
                   seq_len: int = 1024, head_dim: int = 32, block_size: int = 64, repeats: int = 3,
                   traced: bool = False, seed: int = 0) -> dict[str, Any]:
     """This rank's measurements of ``repeats`` forward and backward passes (after one warm-up); see the module
     docstring.  A collective: every rank of the default group calls it with the same arguments.  ``cpu_seconds``:
     the CPU time this rank's process spent (its work, whether or not it shared a core meanwhile)."""
     torch.set_num_threads(1)
-    cp = ContextParallelGroup(None, layout=layout, block_size=block_size)
+    cp_group = ContextParallelGroup(None, split=split, block_size=block_size)
     generator = torch.Generator().manual_seed(seed)
     whole = [torch.randn(batch, heads, seq_len, head_dim, generator=generator) for _ in range(4)]
-    q, k, v, dout = (shard_sequence(t, cp.size, cp.rank, layout, dim=2) for t in whole)
+    q, k, v, dout = (shard_sequence(t, cp_group.size, cp_group.rank, split, dim=2) for t in whole)
 
     def one_pass() -> tuple[torch.Tensor, ...]:
         local = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = context_parallel_attention(*local, cp, strategy=strategy)
+        out = context_parallel_attention(*local, cp_group, strategy=strategy)
         torch.autograd.backward(out, dout)
         return (out.detach(), *(t.grad for t in local))
 
@@ -48,20 +48,20 @@ def attention_run(strategy: str = "ring", layout: str = "zigzag", *, batch: int 
     out = torch.nn.functional.scaled_dot_product_attention(*reference, is_causal=True)
     torch.autograd.backward(out, whole[3])
     expected = (out.detach(), *(t.grad for t in reference))
-    error = max(float((mine - shard_sequence(theirs, cp.size, cp.rank, layout, dim=2)).abs().max())
+    error = max(float((mine - shard_sequence(theirs, cp_group.size, cp_group.rank, split, dim=2)).abs().max())
                 for mine, theirs in zip(found, expected, strict=True))
     seconds, cpu_seconds = [], []
     for _ in range(repeats):
         dist.barrier()
-        cp.log.clear()
-        cp.tiles = type(cp.tiles)()
+        cp_group.log.clear()
+        cp_group.tiles = type(cp_group.tiles)()
         start, cpu_start = time.perf_counter(), time.process_time()
         one_pass()
         seconds.append(time.perf_counter() - start)
         cpu_seconds.append(time.process_time() - cpu_start)
-    result = {"rank": cp.rank, "seconds": statistics.median(seconds), "tiles": cp.tiles.computed, "error": error,
+    result = {"rank": cp_group.rank, "seconds": statistics.median(seconds), "tiles": cp_group.tiles.computed, "error": error,
               "cpu_seconds": statistics.median(cpu_seconds),
-              "sent": sum(nbytes for _, _, nbytes in cp.log), "log": list(cp.log), "largest": largest.numel,
+              "sent": sum(nbytes for _, _, nbytes in cp_group.log), "log": list(cp_group.log), "largest": largest.numel,
               "largest_shape": largest.shape}
     if traced:
         trace.enable()

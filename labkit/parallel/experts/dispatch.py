@@ -29,14 +29,14 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit import trace
+from labkit.degrees import check_degree
 from labkit.dist import require_group
 from labkit.parallel.experts.permute import dispatch_order, inverse_permutation, run_experts
 
 
 def check_expert_parallel(n_experts: int, ep: object) -> None:
     """``ep`` must be a positive integer dividing the experts; ``ValueError`` naming the values."""
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"ep must be an integer >= 1 (ranks the experts are spread over), got {ep!r}")
+    check_degree("ep", ep)
     if n_experts % ep:
         raise ValueError(f"expert parallelism gives every rank n_experts / ep experts: n_experts={n_experts} "
                          f"does not divide by ep={ep}")

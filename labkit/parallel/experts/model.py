@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.costmodel.experts import ep_messages
-from labkit.mesh import check_ep
+from labkit.degrees import check_ep
 from labkit.parallel.experts.dispatch import ExpertParallelGroup, check_expert_parallel
 from labkit.parallel.experts.layer import is_expert_parallel, moe_layers
 

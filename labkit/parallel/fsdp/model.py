@@ -4,7 +4,7 @@ gradients and optimizer states all sharded, each rank holding ``1/N`` of every m
 The model is cut into *units*: each child of a ``ModuleList``/``Sequential`` called ``blocks`` or ``layers``
 (one transformer block each), or the modules passed as ``units``; the *root* unit holds every other parameter
 and any parameter two units share (a tied embedding and LM head).  A unit's parameters of one dtype and
-``requires_grad`` travel in one collective.  The layout is ``fully_shard``'s (FSDP2; ``ShardLayout``): each
+``requires_grad`` travel in one collective.  The cut is ``fully_shard``'s (FSDP2; ``FlatShards``): each
 parameter is cut along dim 0 into ``N`` chunks of ``ceil(rows / N)`` rows (``torch.chunk``), and rank ``r``'s
 chunks, padded to the full chunk size, lie end to end in one flat *shard* buffer per unit.  The module's
 parameters *are* this rank's chunks, ``nn.Parameter`` views of that buffer of shape ``[rows_r, ...]`` under
@@ -71,9 +71,9 @@ from labkit.parallel.base import (
     queue_end_of_backward,
     reduce_scatter_tensor,
 )
+from labkit.parallel.flat_shards import add_shard_gradients
 from labkit.parallel.fsdp import state as fsdp_state
 from labkit.parallel.fsdp.units import FlatParameter, Unit, check_arguments, make_units, predicted_memory
-from labkit.parallel.shard_layout import add_shard_gradients
 
 
 @dataclass(eq=False)
@@ -138,7 +138,7 @@ class FullyShardedDataParallel(ParallelWrapper):
         for flat in unit.flats:
             if flat.gathered or flat.handle is not None or flat.replicated:  # a replicated one: a local copy
                 continue
-            flat.gathering = flat.shard.new_empty(flat.layout.padded_numel, dtype=self.compute_dtype)
+            flat.gathering = flat.shard.new_empty(flat.shards.padded_numel, dtype=self.compute_dtype)
             self._count("all_gather", flat.gathering)
             flat.handle = all_gather_tensor(flat.gathering, flat.shard.to(self.compute_dtype), group=self.group,
                                             async_op=True)
@@ -154,7 +154,7 @@ class FullyShardedDataParallel(ParallelWrapper):
                 p.untyped_storage().resize_(p.numel() * p.element_size())
             # Copy out through .data: a new version counter, so autograd's saved tensors stay valid.
             source = flat.shard.to(self.compute_dtype) if flat.replicated else flat.gathering
-            flat.layout.unpack(source, [p.data for p in flat.full_parameters])
+            flat.shards.unpack(source, [p.data for p in flat.full_parameters])
             flat.gathering, flat.handle, flat.gathered = None, None, True
 
     def _free(self, unit: Unit) -> None:
@@ -253,14 +253,14 @@ class FullyShardedDataParallel(ParallelWrapper):
     def _reduce(self, flat: FlatParameter) -> None:
         """Launch the reduce-scatter (replicated: the all-reduce) of ``flat``'s full gradients; the previous
         reduction is waited for first."""
-        full = flat.shard.new_empty(flat.layout.padded_numel, dtype=self.reduce_dtype)
-        flat.layout.pack(_take_gradients(flat), full)
+        full = flat.shard.new_empty(flat.shards.padded_numel, dtype=self.reduce_dtype)
+        flat.shards.pack(_take_gradients(flat), full)
         self._complete_reduction()
         if flat.replicated:
             self._count("all_reduce", full)
             shard, handle = full, dist.all_reduce(full, group=self.group, async_op=True)
         else:
-            shard = full.new_empty(flat.layout.shard_numel)
+            shard = full.new_empty(flat.shards.shard_numel)
             self._count("reduce_scatter", full)
             handle = reduce_scatter_tensor(shard, full, group=self.group, async_op=True)
         self._pending_reduction = (handle, shard, full, flat)
@@ -269,7 +269,7 @@ class FullyShardedDataParallel(ParallelWrapper):
         if self._pending_reduction is not None:
             handle, shard, _, flat = self._pending_reduction
             handle.wait()
-            add_shard_gradients(shard.div_(self.world_size), flat.pieces, flat.layout)
+            add_shard_gradients(shard.div_(self.world_size), flat.pieces, flat.shards)
             self._pending_reduction = None
 
     def _finish_backward(self) -> None:
@@ -333,9 +333,9 @@ class FullyShardedDataParallel(ParallelWrapper):
         gathered twice each, the root's ``root_gathers`` times (kept while a backward is due), every trainable
         one scattered once; every trainable replicated part all-reduced once (kinds with no bytes left out)."""
         flats = [(unit, flat) for unit in self.units for flat in unit.flats]
-        gathers = sum((root_gathers if unit.is_root else 2 * forwards) * flat.layout.padded_numel
+        gathers = sum((root_gathers if unit.is_root else 2 * forwards) * flat.shards.padded_numel
                       for unit, flat in flats if not flat.replicated)
-        reduced = [sum(flat.layout.padded_numel for _, flat in flats if flat.requires_grad and flat.replicated == kind)
+        reduced = [sum(flat.shards.padded_numel for _, flat in flats if flat.requires_grad and flat.replicated == kind)
                    for kind in (False, True)]
         size = torch.finfo(self.reduce_dtype).bits // 8
         found = {"all_gather": gathers * torch.finfo(self.compute_dtype).bits // 8,

@@ -1,7 +1,7 @@
 """Full (unsharded) model and optimizer states of a :class:`~labkit.parallel.fsdp.FullyShardedDataParallel`, and
 loading them back into its shards: what a full checkpoint needs (``labkit.checkpoint``, lesson 09).
 
-Each rank holds, per flat parameter, the rows ``ShardLayout.local_rows`` of every parameter, and an optimizer over
+Each rank holds, per flat parameter, the rows ``FlatShards.local_rows`` of every parameter, and an optimizer over
 those pieces keeps its per-parameter state (Adam's ``exp_avg``, ``exp_avg_sq``) in the pieces' shapes.  Gathering
 a state is the parameters' own gather: copy each rank's pieces into a padded shard buffer, all-gather the buffers,
 unpack the rows into full tensors.  Loading is the reverse without communication: every rank reads the full
@@ -30,13 +30,13 @@ def _gather(model: Any, flat: Any, pieces: list[torch.Tensor]) -> list[torch.Ten
     """The full tensors of ``flat``'s parameters whose local pieces (this rank's rows) are ``pieces``."""
     if flat.replicated:  # every rank holds them whole, and the same
         return [piece.detach().clone() for piece in pieces]
-    shard = pieces[0].new_zeros(flat.layout.shard_numel)
-    for view, piece in zip(flat.layout.shard_views(shard), pieces, strict=True):
+    shard = pieces[0].new_zeros(flat.shards.shard_numel)
+    for view, piece in zip(flat.shards.shard_views(shard), pieces, strict=True):
         view.copy_(piece.reshape(view.shape))
-    gathered = shard.new_empty(flat.layout.padded_numel)
+    gathered = shard.new_empty(flat.shards.padded_numel)
     all_gather_tensor(gathered, shard, group=model.group)
-    tensors = [shard.new_empty(shape) for shape in flat.layout.shapes]
-    flat.layout.unpack(gathered, tensors)
+    tensors = [shard.new_empty(shape) for shape in flat.shards.shapes]
+    flat.shards.unpack(gathered, tensors)
     return tensors
 
 
@@ -91,19 +91,19 @@ def load_full_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
     for flat in _flats(model):
         for index, (piece, names) in enumerate(zip(flat.pieces, flat.names, strict=True)):
             full = state[names[0]]
-            if full.shape != flat.layout.shapes[index]:
+            if full.shape != flat.shards.shapes[index]:
                 raise ValueError(f"{names[0]}: shape {tuple(full.shape)} in the state, "
-                                 f"{tuple(flat.layout.shapes[index])} in the model")
-            piece.copy_(_rows(flat.layout, index, full))
+                                 f"{tuple(flat.shards.shapes[index])} in the model")
+            piece.copy_(_rows(flat.shards, index, full))
     for name, buffer in model.module.named_buffers():
         if name in state:
             buffer.copy_(state[name])
 
 
-def _rows(layout: Any, index: int, full: torch.Tensor) -> torch.Tensor:
-    start, stop = layout.local_rows(index)
-    return full.reshape(layout.rows[index], *layout.shapes[index][1:])[start:stop].reshape(
-        layout.local_shape(index))
+def _rows(shards: Any, index: int, full: torch.Tensor) -> torch.Tensor:
+    start, stop = shards.local_rows(index)
+    return full.reshape(shards.rows[index], *shards.shapes[index][1:])[start:stop].reshape(
+        shards.local_shape(index))
 
 
 def load_full_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -113,7 +113,7 @@ def load_full_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer,
     local: dict[int, dict[str, Any]] = {}
     for position, entries in state["state"].items():
         flat, index = places[int(position)]
-        local[int(position)] = {key: _rows(flat.layout, index, value).clone()
+        local[int(position)] = {key: _rows(flat.shards, index, value).clone()
                                 if torch.is_tensor(value) and value.dim() > 0 else value
                                 for key, value in entries.items()}
     optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
@@ -129,14 +129,14 @@ def sharded_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Pie
         if flat.replicated and model.rank != 0:
             continue
         for index, (piece, names) in enumerate(zip(flat.pieces, flat.names, strict=True)):
-            begin = flat.layout.local_rows(index)[0] * flat.layout.row_numel[index]
-            pieces.update((f"model/{name}", (piece.detach(), list(flat.layout.shapes[index]), begin, 0))
+            begin = flat.shards.local_rows(index)[0] * flat.shards.row_numel[index]
+            pieces.update((f"model/{name}", (piece.detach(), list(flat.shards.shapes[index]), begin, 0))
                           for name in names)
     for position, (flat, index) in enumerate(_piece_places(model, optimizer)):
         if flat.replicated and model.rank != 0:
             continue
-        begin = flat.layout.local_rows(index)[0] * flat.layout.row_numel[index]
-        pieces.update((f"optimizer/{position}/{key}", (value, list(flat.layout.shapes[index]), begin, 0))
+        begin = flat.shards.local_rows(index)[0] * flat.shards.row_numel[index]
+        pieces.update((f"optimizer/{position}/{key}", (value, list(flat.shards.shapes[index]), begin, 0))
                       for key, value in optimizer.state.get(flat.pieces[index], {}).items()
                       if torch.is_tensor(value) and value.dim() > 0)
     if model.rank == 0:

@@ -8,7 +8,7 @@ a parameter is sharded when it lies inside one of the chosen modules (each entry
 submodule itself), as FSDP2's ``fully_shard(module)`` takes charge of every parameter below ``module``; every
 other parameter is *replicated*.  A parameter two modules share is sharded when either is chosen.
 
-**A replicated flat parameter** uses the same machinery with a layout of one "rank" (``ShardLayout(shapes, 1,
+**A replicated flat parameter** uses the same machinery with a layout of one "rank" (``FlatShards(shapes, 1,
 0)``): its shard is the whole of every parameter, so ``pieces`` are the full parameters, the unit's "gather" is a
 local copy into the compute dtype, and its gradients are all-reduced (summed, then divided by ``N``, the order of
 the reduce-scatter path) instead of reduce-scattered.  Checkpoints need no change: every rank's rows of a
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from labkit.costmodel.memory import predicted_model_state_bytes
-from labkit.parallel.shard_layout import ShardLayout
+from labkit.parallel.flat_shards import FlatShards
 
 
 class FlatParameter:
@@ -38,11 +38,11 @@ class FlatParameter:
                  replicated: bool = False):
         self.slots, self.names, self.requires_grad = slots, names, parameters[0].requires_grad
         self.replicated = replicated
-        self.layout = ShardLayout([p.shape for p in parameters], 1 if replicated else world_size,
+        self.shards = FlatShards([p.shape for p in parameters], 1 if replicated else world_size,
                                   0 if replicated else rank)
-        self.shard = self.layout.pack_shard([p.detach() for p in parameters])
+        self.shard = self.shards.pack_shard([p.detach() for p in parameters])
         self.pieces = [nn.Parameter(view, requires_grad=self.requires_grad)
-                       for view in self.layout.shard_views(self.shard)]
+                       for view in self.shards.shard_views(self.shard)]
         self.full_parameters = [nn.Parameter(torch.empty(p.shape, dtype=compute_dtype, device=p.device),
                                              requires_grad=self.requires_grad) for p in parameters]
         for p in self.full_parameters:
@@ -109,9 +109,9 @@ def predicted_memory(units: list[Unit], master_dtype: torch.dtype, reduce_dtype:
     held: Counter = Counter()
     for flat in (flat for unit in units for flat in unit.flats):
         real = sum(piece.numel() for piece in flat.pieces)
-        held["weights"] += flat.layout.shard_numel
+        held["weights"] += flat.shards.shard_numel
         if flat.requires_grad:
-            held["gradients"] += flat.layout.shard_numel if reduce_dtype == master_dtype else real
+            held["gradients"] += flat.shards.shard_numel if reduce_dtype == master_dtype else real
             held["optimizer_states"] += real
     return {name: predicted_model_state_bytes(held[name], "fp32", optimizer)[name]
             for name in ("weights", "gradients", "optimizer_states")}

@@ -9,7 +9,7 @@ The three are applied in the order torchtitan applies them, each inside the grou
    (:class:`~labkit.parallel.tensor.TensorParallel`: heads, MLP columns and rows, the vocabulary);
 3. **context** (cp, when the mesh has ``cp > 1``): every stage's attention runs over the cp group, each rank
    holding ``s / cp`` of every sequence (:mod:`labkit.parallel.context.model`: ring, all-gather or Ulysses,
-   ``cp_strategy``; contiguous or zig-zag, ``cp_layout``); **experts** (ep, when ``ep > 1``): every MoE layer
+   ``cp_strategy``; contiguous or zig-zag, ``cp_split``); **experts** (ep, when ``ep > 1``): every MoE layer
    keeps ``E / ep`` experts and routes over the ep group (:mod:`labkit.parallel.experts.model`);
 4. **data** (dp): the ranks that hold the same piece of the same stages are replicas: DDP (``zero=0``),
    ZeRO-1 or ZeRO-2 around this rank's stages, or FSDP (``zero=3``) around its one stage, over the dp group,
@@ -63,21 +63,22 @@ from torch import nn
 
 from labkit import trace
 from labkit.costmodel.context import cp_messages
+from labkit.degrees import check_degrees
 from labkit.dist import global_rank
-from labkit.mesh import Mesh, check_degrees
+from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
 from labkit.parallel.base import ParallelWrapper, Piece
 from labkit.parallel.context.attention import ContextParallelGroup
-from labkit.parallel.context.layout import check_sequence
 from labkit.parallel.context.model import apply_context_parallel, check_context_parallel, shard_batch
+from labkit.parallel.context.sequence import check_sequence
 from labkit.parallel.ddp import DistributedDataParallel
 from labkit.parallel.experts.layer import is_expert_parallel
 from labkit.parallel.experts.model import ExpertsIn3D, balance_experts, check_expert_layout
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.parallelize import state as threed_state
-from labkit.parallel.pipeline import schedule as schedules
 from labkit.parallel.pipeline.catalog import SCHEDULES, SPLIT_BACKWARD, stages_per_rank
 from labkit.parallel.pipeline.runtime import run_schedule
+from labkit.parallel.pipeline.schedule import Schedule
 from labkit.parallel.pipeline.simulate import Timeline
 from labkit.parallel.pipeline.stage import PipelineStage, split_stages
 from labkit.parallel.tensor.transformer import TensorParallel, check_tensor_parallel_sizes
@@ -90,7 +91,7 @@ DP_WRAPPERS = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
 def check_3d(config: GPTConfig, dp: int, tp: int, pp: int, *, zero: int = 0, schedule: str = "1f1b",
              microbatches: int = 1, virtual_stages: int = 1, batch_size: int | None = None,
              seq_len: int | None = None, world_size: int | None = None, cp: int = 1, cp_strategy: str = "ring",
-             cp_layout: str = "zigzag", ep: int = 1) -> schedules.Schedule:
+             cp_split: str = "zigzag", ep: int = 1) -> Schedule:
     """Every check of a 3D (or, with ``cp > 1``, 4D) layout that needs no process group; returns the step's
     schedule.
 
@@ -103,7 +104,7 @@ def check_3d(config: GPTConfig, dp: int, tp: int, pp: int, *, zero: int = 0, sch
         values = " * ".join(str(degrees[d]) for d in ("dp", "cp", "tp", "pp") if d != "cp" or cp > 1)
         raise ValueError(f"{named} must equal the number of ranks: {values} = {dp * cp * tp * pp}, "
                          f"but there are {world_size} (choose degrees whose product is {world_size})")
-    check_context_parallel(config, cp, tp, cp_strategy, cp_layout, seq_len)
+    check_context_parallel(config, cp, tp, cp_strategy, cp_split, seq_len)
     check_expert_layout(config, ep, dp, cp, zero)
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of {ZERO_STAGES} (0: DDP, 1/2: ZeRO-1/2, 3: FSDP), got {zero!r}")
@@ -146,7 +147,7 @@ class Parallel3D(ParallelWrapper):
     def __init__(self, model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1f1b",
                  microbatches: int = 1, virtual_stages: int = 2, micro_batch_size: int, seq_len: int,
                  bucket_cap_mb: float = 25.0, seed: int | None = None, overlap_dp: bool = False,
-                 cp_strategy: str = "ring", cp_layout: str = "zigzag"):
+                 cp_strategy: str = "ring", cp_split: str = "zigzag"):
         if not isinstance(model, TinyGPT):
             raise TypeError(f"parallelize splits a labkit.models.TinyGPT, got {type(model).__name__}")
         if not isinstance(mesh, Mesh):
@@ -154,25 +155,26 @@ class Parallel3D(ParallelWrapper):
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
         config = model.config
-        plan = check_3d(config, mesh.dp, mesh.tp, mesh.pp, zero=zero, schedule=schedule, microbatches=microbatches,
+        table = check_3d(config, mesh.dp, mesh.tp, mesh.pp, zero=zero, schedule=schedule, microbatches=microbatches,
                         virtual_stages=virtual_stages, batch_size=micro_batch_size * microbatches, seq_len=seq_len,
                         world_size=dist.get_world_size(), cp=mesh.cp, cp_strategy=cp_strategy,
-                        cp_layout=cp_layout, ep=mesh.ep)
-        stage_indices = plan.stages_of(mesh.rank("pp"))
+                        cp_split=cp_split, ep=mesh.ep)
+        stage_indices = table.stages_of(mesh.rank("pp"))
         # 1. the pipeline's cut, 2. tensor parallelism inside each stage, 3. context parallelism of attention
-        tensor_parallel = [TensorParallel(_stage_module(model, s, plan.stages), mesh.group("tp"), seed=seed,
+        tensor_parallel = [TensorParallel(_stage_module(model, s, table.stages), mesh.group("tp"), seed=seed,
                                           dense_alone=True) for s in stage_indices]
-        self.context_parallel = ContextParallelGroup(mesh.group("cp"), cp_layout) if mesh.cp > 1 else None
+        self.context_parallel = ContextParallelGroup(mesh.group("cp"), cp_split) if mesh.cp > 1 else None
         self.cp_strategy = cp_strategy
         for tp in tensor_parallel if self.context_parallel else []:
             apply_context_parallel(tp.module, self.context_parallel, seq_len, cp_strategy)
         # 3b. expert parallelism of the MoE layers, folded over dp x cp (see labkit.parallel.experts.model)
         self.experts = ExpertsIn3D(mesh, [tp.module for tp in tensor_parallel]) if mesh.ep > 1 else None
         super().__init__(nn.ModuleList(tensor_parallel), None)
-        self.schedule, self.stage_indices, self.tensor_parallel = plan, stage_indices, tensor_parallel
+        # ``schedule`` is the schedule's name; ``self.table`` its table (which rank runs what, when)
+        self.table, self.stage_indices, self.tensor_parallel = table, stage_indices, tensor_parallel
         self.mesh, self.zero, self.config, self.overlap_dp = mesh, zero, config, bool(overlap_dp)
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
-        local_len = check_sequence(seq_len, mesh.cp, cp_layout) // mesh.cp  # this rank's tokens of a sequence
+        local_len = check_sequence(seq_len, mesh.cp, cp_split) // mesh.cp  # this rank's tokens of a sequence
         # 4. data parallelism around them, over the ranks that hold the same weights: dp x cp (FSDP: one stage)
         dp_group = mesh.group("dp_cp")
         if zero == 3:
@@ -183,9 +185,9 @@ class Parallel3D(ParallelWrapper):
             wrapper = DistributedDataParallel if zero == 0 else ZeroDataParallel
             self.data_parallel = wrapper(self.module, bucket_cap_mb=bucket_cap_mb, group=dp_group, **options)
             runs = self.tensor_parallel
-        self.stages = [PipelineStage(run, s, self.schedule.stages, mesh, micro_batch_size=micro_batch_size,
-                                     seq_len=local_len, num_microbatches=self.schedule.m, hidden_size=config.n_embd,
-                                     placement=plan.placement)
+        self.stages = [PipelineStage(run, s, self.table.stages, mesh, micro_batch_size=micro_batch_size,
+                                     seq_len=local_len, num_microbatches=self.table.m, hidden_size=config.n_embd,
+                                     placement=table.placement)
                        for run, s in zip(runs, self.stage_indices, strict=True)]
         self.split = {name: spec for tp in self.tensor_parallel for name, spec in tp.split_parameters().items()}
         self.expert_names = {threed_state.plain_name(name) for name, p in self.module.named_parameters()
@@ -194,8 +196,8 @@ class Parallel3D(ParallelWrapper):
         self._p2p: Counter = Counter()
 
     def __repr__(self) -> str:
-        return (f"Parallel3D({self.mesh!r}, {DP_WRAPPERS[self.zero]} over dp, {self.schedule.name} with "
-                f"m={self.schedule.m}, stages {self.stage_indices} of {self.schedule.stages} on this rank)")
+        return (f"Parallel3D({self.mesh!r}, {DP_WRAPPERS[self.zero]} over dp, {self.table.name} with "
+                f"m={self.table.m}, stages {self.stage_indices} of {self.table.stages} on this rank)")
 
     # -- a step ------------------------------------------------------------------------------------------------
 
@@ -212,14 +214,14 @@ class Parallel3D(ParallelWrapper):
         schedule, then the data-parallel reduction.  Returns the batch's mean loss on every rank (the last
         stage's, broadcast over the pp group).  ``loss_scale``: the gradients are those of ``loss * loss_scale``
         (a loss scaler's, for fp16).  With ``timeline``, :attr:`timeline` is the step as it ran."""
-        expected = (self.schedule.m * self.micro_batch_size, self.seq_len)
+        expected = (self.table.m * self.micro_batch_size, self.seq_len)
         if tuple(inputs.shape) != expected or tuple(targets.shape) != expected:
             raise ValueError(f"inputs and targets must have shape (microbatches * micro_batch_size, seq_len) = "
                              f"{expected}, got {tuple(inputs.shape)} and {tuple(targets.shape)}")
         weight = 1.0
         if self.context_parallel is not None:  # this rank's chunks of every sequence (see context.model)
             inputs, targets, weight = shard_batch(inputs, targets, self.mesh.cp, self.mesh.rank("cp"),
-                                                  self.context_parallel.layout)
+                                                  self.context_parallel.split)
             self.context_parallel.log.clear()
         if self.experts is not None:
             self.experts.start_step()
@@ -230,9 +232,9 @@ class Parallel3D(ParallelWrapper):
         # overlap_dp, with one stage per rank and no split backward: the data-parallel reduction starts during the
         # last backward (the wrapper's own overlap; Megatron's overlap_grad_reduce); else it follows the schedule.
         overlapped = self.overlap_dp and len(self.stages) == 1 and \
-            not any(a.kind == "W" for a in self.schedule.orders()[0])
+            not any(a.kind == "W" for a in self.table.orders()[0])
         try:
-            run = run_schedule(self.schedule, self.stages, inputs, targets, timeline=timeline,
+            run = run_schedule(self.table, self.stages, inputs, targets, timeline=timeline,
                                before_last_backward=(lambda: self.data_parallel.set_requires_gradient_sync(True))
                                if overlapped else None)
         finally:
@@ -253,7 +255,7 @@ class Parallel3D(ParallelWrapper):
             loss *= weight / self.mesh.cp
             dist.all_reduce(loss, group=self.mesh.group("cp"))
         if self.mesh.pp > 1:
-            last = self.schedule.rank_of(self.schedule.stages - 1)  # pp - 1, or 0 in a V
+            last = self.table.rank_of(self.table.stages - 1)  # pp - 1, or 0 in a V
             dist.broadcast(loss, src=global_rank(pp, last), group=pp)
         return loss
 
@@ -262,7 +264,7 @@ class Parallel3D(ParallelWrapper):
         one = math.prod(self.stages[0].activation_shape) * self.stages[0].dtype.itemsize
         me = dist.get_rank()  # in a V, rank p - 1 hands stage p - 1's output to stage p without a message
         sends = sum((stage.next_rank not in (None, me)) + (stage.prev_rank not in (None, me)) for stage in self.stages)
-        self._p2p = Counter({"pp send": one * self.schedule.m * sends} if sends else {})
+        self._p2p = Counter({"pp send": one * self.table.m * sends} if sends else {})
 
     # -- the contract ----------------------------------------------------------------------------------------
 
@@ -295,7 +297,7 @@ class Parallel3D(ParallelWrapper):
         for tp in self.tensor_parallel:
             found.update({f"tp {kind}": n for kind, n in tp.predicted_communication().items()})
         if self.zero == 3:  # FSDP gathers its units again for every micro-batch's forward and backward
-            predicted = self.data_parallel.predicted_communication(self.schedule.m, self._root_gathers())
+            predicted = self.data_parallel.predicted_communication(self.table.m, self._root_gathers())
         else:
             predicted = self.data_parallel.predicted_communication()
         found.update({f"dp {kind}": n for kind, n in predicted.items()})
@@ -306,7 +308,7 @@ class Parallel3D(ParallelWrapper):
             for _, kind, n in cp_messages(self.cp_strategy, self.mesh.cp, self.micro_batch_size, heads, local,
                                           self.config.n_embd // self.config.n_head,
                                           self.stages[0].dtype.itemsize):
-                found[f"cp {kind}"] += n * blocks * self.schedule.m
+                found[f"cp {kind}"] += n * blocks * self.table.m
         if self.experts is not None:  # from the splits the router made: the model takes the routing as given
             found.update(self.experts.predicted(self.config.n_embd * self.stages[0].dtype.itemsize,
                                                 self.config.n_experts))
@@ -316,7 +318,7 @@ class Parallel3D(ParallelWrapper):
         """How often this rank's schedule finds no forward awaiting its backward when a forward starts: each
         time, FSDP gathers the root unit again (it keeps it while any backward is pending)."""
         pending = gathers = 0
-        for action in self.schedule.orders()[self.mesh.rank("pp")]:
+        for action in self.table.orders()[self.mesh.rank("pp")]:
             if action.kind == "F":
                 gathers += pending == 0
                 pending += 1
@@ -398,7 +400,7 @@ class Parallel3D(ParallelWrapper):
 def parallelize(model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1f1b", microbatches: int = 1,
                 virtual_stages: int = 2, micro_batch_size: int, seq_len: int, bucket_cap_mb: float = 25.0,
                 seed: int | None = None, overlap_dp: bool = False, cp_strategy: str = "ring",
-                cp_layout: str = "zigzag") -> Parallel3D:
+                cp_split: str = "zigzag") -> Parallel3D:
     """``model`` split over ``mesh``: pipeline stages over pp, tensor parallelism over tp, then DDP (``zero=0``),
     ZeRO-1/2 or FSDP (``zero=3``) over dp; see the module docstring.  A collective: every rank calls it with
     the same model (the same weights) and arguments.  ``schedule``: one of :data:`SCHEDULES`, over
@@ -409,4 +411,4 @@ def parallelize(model: TinyGPT, mesh: Mesh, *, zero: int = 0, schedule: str = "1
     return Parallel3D(model, mesh, zero=zero, schedule=schedule, microbatches=microbatches,
                       virtual_stages=virtual_stages, micro_batch_size=micro_batch_size, seq_len=seq_len,
                       bucket_cap_mb=bucket_cap_mb, seed=seed, overlap_dp=overlap_dp, cp_strategy=cp_strategy,
-                      cp_layout=cp_layout)
+                      cp_split=cp_split)

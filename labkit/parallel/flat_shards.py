@@ -1,4 +1,4 @@
-"""The shard layout that ZeRO-2 and ZeRO-3/FSDP share (:class:`ShardLayout`): ``fully_shard``'s.
+"""The flat shards that ZeRO-2 and ZeRO-3/FSDP share (:class:`FlatShards`): ``fully_shard``'s cut of every tensor.
 
 Every
 tensor is cut along its first dimension into ``N`` chunks of ``ceil(rows / N)`` rows (``torch.chunk``; the last
@@ -19,7 +19,7 @@ import torch
 
 
 @dataclass
-class ShardLayout:
+class FlatShards:
     """Tensors of ``shapes`` cut along dim 0 over ``world_size`` ranks (``torch.chunk``), each rank's chunks
     padded and laid end to end: rank ``r``'s shard is flat elements ``[r * shard_numel, (r+1) * shard_numel)``
     of a buffer of ``padded_numel``; tensor ``i``'s chunk starts at ``offsets[i]`` within every shard."""
@@ -120,9 +120,9 @@ class ShardLayout:
         return shard
 
 
-def add_shard_gradients(shard: torch.Tensor, pieces: list[torch.Tensor | None], layout: ShardLayout) -> None:
+def add_shard_gradients(shard: torch.Tensor, pieces: list[torch.Tensor | None], shards: FlatShards) -> None:
     """Make the reduced ``shard`` the gradient of this rank's ``pieces`` (or add it to what they hold)."""
-    for piece, gradient in zip(pieces, layout.shard_views(shard), strict=True):
+    for piece, gradient in zip(pieces, shards.shard_views(shard), strict=True):
         if piece is None:
             continue
         gradient = gradient.to(piece.dtype)

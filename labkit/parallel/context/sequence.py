@@ -1,11 +1,11 @@
 """How context parallelism cuts a sequence: which tokens each of ``cp`` ranks holds, and the work that gives it.
 
-**Contiguous** (``layout="contiguous"``): rank ``r`` holds chunk ``r`` of ``cp`` equal chunks.  Under the
+**Contiguous** (``split="contiguous"``): rank ``r`` holds chunk ``r`` of ``cp`` equal chunks.  Under the
 causal mask, chunk ``r``'s queries see the keys of chunks ``0 .. r``: rank ``r`` computes ``r`` full blocks of
 scores and one half (the diagonal), so the last rank works about ``2 cp - 1`` times as long as the first, and
 every ring step waits for it.
 
-**Zig-zag** (``layout="zigzag"``; the head-tail split of zhuzilin/ring-flash-attention and Megatron-Core, and
+**Zig-zag** (``split="zigzag"``; the head-tail split of zhuzilin/ring-flash-attention and Megatron-Core, and
 Llama 3's, Dubey et al. 2024, section 3.3.2; Brandon et al. 2023's striped attention balances the same work
 round-robin, token by token, instead): cut the sequence into ``2 cp`` chunks; rank ``r`` holds chunks ``r`` and
 ``2 cp - 1 - r``, an early one and its mirror from the end.  Each rank's two chunks together see the
@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
+from labkit.degrees import check_degree
 from labkit.models import IGNORE_INDEX
 
-LAYOUTS = ("contiguous", "zigzag")
+SPLITS = ("contiguous", "zigzag")
 
 
 @dataclass
@@ -61,74 +62,73 @@ def tile_kind(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> str:
     return "full" if int(k_pos.max()) <= int(q_pos.min()) else "masked"
 
 
-def check_cp(cp: Any, layout: Any = "zigzag") -> None:
-    """``cp`` an integer >= 1 and ``layout`` one of :data:`LAYOUTS`; ``ValueError`` naming the value."""
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"cp must be an integer >= 1 (the number of ranks sharing one sequence), got {cp!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+def check_cp(cp: Any, split: Any = "zigzag") -> None:
+    """``cp`` an integer >= 1 and ``split`` one of :data:`SPLITS`; ``ValueError`` naming the value."""
+    check_degree("cp", cp)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
-def chunks_per_rank(layout: str) -> int:
+def chunks_per_rank(split: str) -> int:
     """Pieces of the sequence a rank holds: 1 (contiguous) or 2 (zig-zag)."""
-    return 2 if layout == "zigzag" else 1
+    return 2 if split == "zigzag" else 1
 
 
-def padded_length(seq_len: int, cp: int, layout: str = "zigzag", *, causal: bool = True) -> int:
-    """The smallest length >= ``seq_len`` that the layout cuts evenly (``seq_len`` itself when it divides).
+def padded_length(seq_len: int, cp: int, split: str = "zigzag", *, causal: bool = True) -> int:
+    """The smallest length >= ``seq_len`` that the split cuts evenly (``seq_len`` itself when it divides).
 
     Raises ``ValueError`` for a non-causal sequence that would need padding (the padding would be attended to).
     """
-    check_cp(cp, layout)
+    check_cp(cp, split)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
-    pieces = cp * chunks_per_rank(layout)
+    pieces = cp * chunks_per_rank(split)
     padded = -(-seq_len // pieces) * pieces
     if padded != seq_len and not causal:
         raise ValueError(f"a sequence of {seq_len} tokens does not split into {pieces} equal chunks "
-                         f"(cp={cp}, {layout}), and non-causal attention cannot be padded (every query would "
+                         f"(cp={cp}, {split}), and non-causal attention cannot be padded (every query would "
                          f"attend to the padding): use a length divisible by {pieces}")
     return padded
 
 
-def check_sequence(seq_len: int, cp: int, layout: str = "zigzag") -> int:
+def check_sequence(seq_len: int, cp: int, split: str = "zigzag") -> int:
     """The padded length of a causal ``seq_len``-token sequence over ``cp`` ranks, after checking that every rank
     holds at least one real token (a rank of padding only would average its loss over nothing).  ``ValueError``
     naming the numbers otherwise."""
-    padded = padded_length(seq_len, cp, layout)
+    padded = padded_length(seq_len, cp, split)
     for rank in range(cp):
-        if int(chunk_positions(padded, cp, rank, layout).min()) >= seq_len:
-            raise ValueError(f"a sequence of {seq_len} tokens over cp={cp} ranks ({layout}, padded to {padded}) "
+        if int(chunk_positions(padded, cp, rank, split).min()) >= seq_len:
+            raise ValueError(f"a sequence of {seq_len} tokens over cp={cp} ranks ({split}, padded to {padded}) "
                              f"leaves rank {rank} only padding: use sequences of at least "
-                             f"{(cp - 1) * padded // (cp * chunks_per_rank(layout)) + 1} tokens, or a smaller cp")
+                             f"{(cp - 1) * padded // (cp * chunks_per_rank(split)) + 1} tokens, or a smaller cp")
     return padded
 
 
-def chunk_positions(seq_len: int, cp: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
+def chunk_positions(seq_len: int, cp: int, rank: int, split: str = "zigzag") -> torch.Tensor:
     """The positions, in the whole sequence of ``seq_len`` tokens, of the tokens rank ``rank`` holds, in the order
     it holds them.  ``seq_len`` must divide evenly (pad first with :func:`padded_length`)."""
-    check_cp(cp, layout)
+    check_cp(cp, split)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cp:
         raise ValueError(f"rank must be in [0, cp={cp}), got {rank!r}")
-    pieces = cp * chunks_per_rank(layout)
+    pieces = cp * chunks_per_rank(split)
     if seq_len % pieces:
-        raise ValueError(f"seq_len={seq_len} does not split into {pieces} equal chunks (cp={cp}, {layout}); "
+        raise ValueError(f"seq_len={seq_len} does not split into {pieces} equal chunks (cp={cp}, {split}); "
                          f"pad it to padded_length(...) = {-(-seq_len // pieces) * pieces} first")
     size = seq_len // pieces
-    owned = [rank] if layout == "contiguous" else [rank, 2 * cp - 1 - rank]
+    owned = [rank] if split == "contiguous" else [rank, 2 * cp - 1 - rank]
     return torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in owned])
 
 
-def shard_sequence(x: torch.Tensor, cp: int, rank: int, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, split: str = "zigzag", dim: int = 1) -> torch.Tensor:
     """Rank ``rank``'s tokens of ``x`` along ``dim`` (whose length must divide evenly)."""
-    return x.index_select(dim, chunk_positions(x.shape[dim], cp, rank, layout).to(x.device))
+    return x.index_select(dim, chunk_positions(x.shape[dim], cp, rank, split).to(x.device))
 
 
-def gather_sequence(parts: list[torch.Tensor], layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+def gather_sequence(parts: list[torch.Tensor], split: str = "zigzag", dim: int = 1) -> torch.Tensor:
     """The inverse of :func:`shard_sequence`: every rank's part (in rank order) back in sequence order."""
     cp = len(parts)
     joined = torch.cat(parts, dim=dim)
-    order = torch.cat([chunk_positions(joined.shape[dim], cp, rank, layout) for rank in range(cp)])
+    order = torch.cat([chunk_positions(joined.shape[dim], cp, rank, split) for rank in range(cp)])
     return joined.index_select(dim, torch.argsort(order).to(joined.device))
 
 
@@ -143,12 +143,12 @@ def pad_batch(idx: torch.Tensor, targets: torch.Tensor, length: int) -> tuple[to
             torch.nn.functional.pad(targets, (0, extra), value=IGNORE_INDEX))
 
 
-def ring_tiles(seq_len: int, cp: int, layout: str = "zigzag", block_size: int = 8,
+def ring_tiles(seq_len: int, cp: int, split: str = "zigzag", block_size: int = 8,
                causal: bool = True) -> list[Tiles]:
     """Per rank, the score tiles its queries compute against every rank's keys in one causal forward pass (pure
     arithmetic with the kernel's own tile rule): the work each ring step's compute takes, summed."""
-    seq_len = padded_length(seq_len, cp, layout, causal=causal)
-    positions = [chunk_positions(seq_len, cp, rank, layout) for rank in range(cp)]
+    seq_len = padded_length(seq_len, cp, split, causal=causal)
+    positions = [chunk_positions(seq_len, cp, rank, split) for rank in range(cp)]
     work = []
     for mine in positions:
         count = Tiles()
