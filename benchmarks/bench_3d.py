@@ -13,7 +13,7 @@ into ``2 pp`` micro-batches.  A step's time is its slowest rank's (a barrier bef
    weights, alive at once, taking turns step by step (the order flipping every round).  ``labkit / torch`` is
    paired: the median over rounds of labkit's step over torch's in the same round.
 2. **Six layouts** (8x1x1, 4x2x1, 4x1x2, 2x2x2, 2x4x1, 1x2x4 as dp x tp x pp, DDP over dp, 1F1B): the median
-   step, then one traced step split by ``labkit.parallel.parallelize.step_breakdown`` into compute, tensor-parallel
+   step, then one traced step split by ``labkit.parallel.parallelize.timing.step_breakdown`` into compute, tensor-parallel
    communication, bubble, data-parallel reduction and optimizer (the mean over ranks), and the bytes each rank
    put into each dimension's collectives in a step (``communication_per_step()``, the mean over ranks).  On 2
    cores, 8 ranks share the CPU: compute does not shrink with more ranks, and the layouts' order says what

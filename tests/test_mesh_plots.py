@@ -411,7 +411,7 @@ def test_plot_memory_choices_rejects_bad_input():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# plot_layout and plot_step_parts
+# plot_layout and plot_rank_parts
 
 
 def _pixels(figure: Figure, dpi: int = 90):
@@ -459,9 +459,9 @@ def _bars(figure: Figure) -> list:
     return [bar for container in figure.axes[0].containers for bar in container]
 
 
-def test_plot_step_parts_stacks_each_ranks_parts_in_milliseconds_and_the_model_under_it():
+def test_plot_rank_parts_stacks_each_ranks_parts_in_milliseconds_and_the_model_under_it():
     model = {0: {"F and B": 0.014, "bubble": 0.004}, 1: {"F and B": 0.014, "bubble": 0.004}}
-    figure = mesh_plots.plot_step_parts(PARTS, {0: "rank 0 (0, 0, 0)", 1: "rank 1 (1, 0, 0)"}, model)
+    figure = mesh_plots.plot_rank_parts(PARTS, {0: "rank 0 (0, 0, 0)", 1: "rank 1 (1, 0, 0)"}, model)
     axis = figure.axes[0]
     bars = _bars(figure)
     for rank, position in ((0, 0), (1, 1)):
@@ -482,13 +482,13 @@ def test_plot_step_parts_stacks_each_ranks_parts_in_milliseconds_and_the_model_u
     assert len({colors["compute"], colors[mesh_plots.MODEL_NAMES["F and B"]], colors["tp communication"]}) == 3
 
 
-def test_plot_step_parts_rejects_unknown_parts_and_negative_times():
+def test_plot_rank_parts_rejects_unknown_parts_and_negative_times():
     with pytest.raises(ValueError, match="parts is empty"):
-        mesh_plots.plot_step_parts({})
+        mesh_plots.plot_rank_parts({})
     with pytest.raises(ValueError, match=r"parts\[0\].*'lunch'"):
-        mesh_plots.plot_step_parts({0: {"lunch": 1.0}})
+        mesh_plots.plot_rank_parts({0: {"lunch": 1.0}})
     with pytest.raises(ValueError, match=r"model\[1\]"):
-        mesh_plots.plot_step_parts(PARTS, model={1: {"bubble": -0.1}})
+        mesh_plots.plot_rank_parts(PARTS, model={1: {"bubble": -0.1}})
 
 
 def test_the_layout_explorer_redraws_on_release_for_every_control():

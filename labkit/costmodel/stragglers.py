@@ -49,7 +49,7 @@ TensorFlow's ``SyncReplicasOptimizer``, which drops a stale gradient when it arr
 its gradient before it pulls the new weights, so it starts the next step behind: with random delays the
 simulated step is slower than this formula by 0.25 to 0.45 ``mu`` (``N`` from 4 to 16, ``b`` from 1 to 4,
 ``compute`` from 1 to 10 ``mu``; 0.36 ``mu`` for ``N = 4, b = 1, compute = 5 mu``), still well under
-synchronous training, which waits ``mu H_b`` longer than the formula (``tests/test_ps_simulate.py`` measures
+synchronous training, which waits ``mu H_b`` longer than the formula (``tests/test_parameter_server_simulate.py`` measures
 both).
 
 The two bounded rules bound different things.  Ho et al. (2013)'s *Stale Synchronous Parallel* bounds how far

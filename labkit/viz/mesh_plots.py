@@ -7,7 +7,7 @@ share a node talks over NVLink (hundreds of GB/s per GPU); one that spans nodes 
 times slower.  :func:`group_links` works that out for every dimension and :func:`plot_mesh` draws it, legibly
 up to 64 ranks: the drawing is scaled to fit a notebook's width (at most :data:`DRAWING_WIDTH` inches, so the
 notebook shows it at full size) and never below :data:`MIN_INCHES_PER_UNIT`, where the rank labels, at
-:data:`RANK_FONTSIZE` points, still fit their boxes; more nodes go to more rows.  :func:`plot_step_parts` draws
+:data:`RANK_FONTSIZE` points, still fit their boxes; more nodes go to more rows.  :func:`plot_rank_parts` draws
 a traced 3D step per rank (``labkit.parallel.parallelize.timing.step_breakdown``) beside a model of it.  Whether a
 layout *fits* is :mod:`labkit.viz.mesh_memory`'s.
 
@@ -241,7 +241,7 @@ STEP_PARTS = {"compute": "#4C72B0", "tp communication": "#DD8452", "F and B": "#
 MODEL_NAMES = {"F and B": "model: F and B (compute and the TP all-reduces inside)"}
 
 
-def plot_step_parts(parts: Mapping[int, Mapping[str, float]], labels: Mapping[int, str] | None = None,
+def plot_rank_parts(parts: Mapping[int, Mapping[str, float]], labels: Mapping[int, str] | None = None,
                     model: Mapping[int, Mapping[str, float]] | None = None,
                     title: str = "Where each rank's step went") -> Figure:
     """One bar per rank (first rank on top) of ``{rank: {part: seconds}}``, e.g. ``step_breakdown``'s, stacked

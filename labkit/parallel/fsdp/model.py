@@ -72,7 +72,7 @@ from labkit.parallel.base import (
     reduce_scatter_tensor,
 )
 from labkit.parallel.flat_shards import add_shard_gradients
-from labkit.parallel.fsdp import state as fsdp_state
+from labkit.parallel.fsdp import state as full_states
 from labkit.parallel.fsdp.units import FlatParameter, Unit, check_arguments, make_units, predicted_memory
 
 
@@ -309,19 +309,19 @@ class FullyShardedDataParallel(ParallelWrapper):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the unsharded model's ``state_dict()`` (the shards' dtype, and the buffers) on every rank."""
-        return fsdp_state.full_state_dict(self)
+        return full_states.full_state_dict(self)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        fsdp_state.load_full_state_dict(self, state)
+        full_states.load_full_state_dict(self, state)
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return fsdp_state.full_optimizer_state_dict(self, optimizer)
+        return full_states.full_optimizer_state_dict(self, optimizer)
 
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        fsdp_state.load_full_optimizer_state_dict(self, optimizer, state)
+        full_states.load_full_optimizer_state_dict(self, optimizer, state)
 
     def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
-        return fsdp_state.sharded_state(self, optimizer)
+        return full_states.sharded_state(self, optimizer)
 
     def unsharded_bytes(self) -> int:
         """Bytes of full parameters and all-gather buffers allocated right now: the transient on top."""
