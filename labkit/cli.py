@@ -25,6 +25,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -222,6 +223,15 @@ def _degrees(flag: str, text: str) -> tuple[int, ...]:
     return degrees
 
 
+def _usable_degrees(flag: str, degrees: tuple[int, ...], problem: Callable[[int], str | None]) -> None:
+    """``ValueError`` naming ``flag`` and why, when no degree it lists can work (``problem``: the planner's rule
+    for one degree); one that can is enough, the others are skipped as the planner skips them."""
+    problems = [problem(degree) for degree in degrees]
+    if all(problems):
+        raise ValueError(f"{flag} {','.join(map(str, degrees))}: no layout can use it: "
+                         + "; ".join(f"{degree} {why}" for degree, why in zip(degrees, problems, strict=True)))
+
+
 def plan(args: argparse.Namespace) -> int:
     """Print the planner's top configurations for a published model shape on a cluster of one GPU kind, each
     term of the predicted step apart (the DP reduction and ZeRO's gathers: what is exposed, and the slowdown of
@@ -238,10 +248,14 @@ def plan(args: argparse.Namespace) -> int:
             shape = dataclasses.replace(shape, seq_len=args.seq_len)
         cluster = planner.Cluster(compute.GPUS[args.gpu], args.gpus, efficiency)
         choices = {} if args.cp is None else {"context_parallel": _degrees("--cp", args.cp)}
+        if args.cp is not None:
+            _usable_degrees("--cp", choices["context_parallel"],
+                            lambda cp: planner.cp_problem(shape, args.gpus, cp))
         if args.ep is not None:
             if not shape.num_experts:
                 raise ValueError(f"--ep splits a mixture of experts' experts: {args.model} is dense")
             choices["expert_parallel"] = _degrees("--ep", args.ep)
+            _usable_degrees("--ep", choices["expert_parallel"], lambda ep: planner.ep_problem(shape, args.gpus, ep))
         if args.schedules is not None:
             choices["schedules"] = tuple(name.strip() for name in args.schedules.split(","))
             unknown = [name for name in choices["schedules"] if name not in planner.ALL_SCHEDULES]
@@ -259,6 +273,8 @@ def plan(args: argparse.Namespace) -> int:
           f"keeping {margin:.0%} for what the memory model does not count (CUDA context, NCCL buffers, the "
           f"allocator's fragmentation: lesson 04): {result.reason()}")
     if not result.candidates:
+        if result.padded_seq_len is not None and args.seq_len is not None:
+            print(f"--seq-len {args.seq_len} is that length: try --seq-len {result.padded_seq_len}")
         return 1
     parts = list(dict.fromkeys(part for candidate in result.candidates for part in candidate.step.parts()))
     wide = max(46, *(len(candidate.layout.label()) for candidate in result.candidates))

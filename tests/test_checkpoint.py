@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,6 +158,31 @@ def test_a_damaged_checkpoint_is_an_error_naming_the_file_and_what_is_wrong(tmp_
         _single_load(tmp_path / "good")
     with pytest.raises(checkpoint.CheckpointError, match="no such checkpoint directory"):
         _single_load(tmp_path / "absent")
+
+
+def test_check_compatible_finds_every_missing_or_resized_file_without_reading_it(tmp_path, monkeypatch):
+    """A sharded checkpoint's lost shard was found only by the rank that read it; check_compatible, run before any
+    rank starts, now finds it with one stat a file, and opens none of them."""
+    model = SingleProcess(TinyGPT(GPTConfig.preset("100k"), seed=0))
+    checkpoint.save(tmp_path, model, model.make_optimizer(torch.optim.AdamW, lr=1e-3), HALF, layout="sharded")
+    shapes = {name: tensor.shape for name, tensor in model.full_state_dict().items()}
+    shard, common = tmp_path / checkpoint.shard_file(0, 1), tmp_path / checkpoint.COMMON
+    sizes = {file: file.stat().st_size for file in (shard, common)}
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("check_compatible read a file's bytes")
+
+    monkeypatch.setattr(Path, "read_bytes", no_read)
+    assert checkpoint.check_compatible(tmp_path, shapes, 1)["layout"] == "sharded"
+    with open(common, "ab") as handle:
+        handle.write(b"x")
+    with pytest.raises(checkpoint.CheckpointError, match=rf"common\.pt: truncated or overwritten: "
+                                                         rf"{sizes[common] + 1:,} bytes, the manifest says"):
+        checkpoint.check_compatible(tmp_path, shapes, 1)
+    shard.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=rf"shard-00000-of-00001\.pt: missing \(the manifest lists it, "
+                                                         rf"{sizes[shard]:,} bytes\)"):
+        checkpoint.check_compatible(tmp_path, shapes, 1)
 
 
 def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensor(tmp_path):

@@ -220,6 +220,51 @@ def test_labkit_plan_prints_the_ranked_table_or_why_nothing_fits(capsys):
     assert "--gpu 'TPU' is unknown" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--model", "gpt2", "--gpus", "8", "--cp", "3"], "--cp 3: no layout can use it: 3 does not divide the 8 GPUs, and "
+     "does not cut the sequence's 1024 tokens into 6 equal zig-zag chunks (two a cp rank)"),
+    (["--model", "gpt2", "--gpus", "6", "--cp", "3,6"], "--cp 3,6: no layout can use it: 3 does not cut the "
+     "sequence's 1024 tokens into 6 equal zig-zag chunks (two a cp rank); 6 does not cut"),
+    (["--model", "mixtral-8x7b", "--gpus", "8", "--ep", "3"], "--ep 3: no layout can use it: 3 does not divide the 8 "
+     "experts, and does not divide dp x cp (a divisor of 8)"),
+    (["--model", "mixtral-8x7b", "--gpus", "12", "--ep", "16"], "--ep 16: no layout can use it: 16 does not divide "
+     "the 8 experts, and does not divide dp x cp (a divisor of 12)"),
+])
+def test_labkit_plan_names_the_cp_or_ep_degree_no_layout_can_use_and_why(flags, message, capsys):
+    """``--cp 3`` and ``--ep 3`` said "no configuration divides this model, batch and number of GPUs" and named
+    neither the flag nor the reason."""
+    from labkit.cli import main
+
+    assert main(["plan", "--global-batch", "12", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(f"labkit plan: {message}")
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--cp", "1,3", "--top", "1"]) == 0
+
+
+def test_labkit_plan_says_a_sequence_length_cp_cannot_split_is_why_nothing_fits(capsys):
+    """At 1,048,575 tokens (one short of 2^20) nothing fits without context parallelism, and no cp cuts the odd
+    length into 2 cp zig-zag chunks: the plan blamed memory alone, where the trainer would pad the sequence and
+    (test_costmodel_context) 2^20 tokens fit with cp."""
+    from labkit.cli import main
+    from labkit.costmodel.planner import Cluster, plan
+
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "H100 80GB", "--gpus", "64", "--global-batch", "4",
+            "--seq-len", "1048575", "--top", "2"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert ("nothing fits: the least memory any of the 294 configurations needs is 131.8 GB per GPU, 72.0 GB usable; "
+            "context parallelism, which would spread each sequence's activations, cannot split this sequence length: "
+            "no cp tried cuts it into 2 cp equal zig-zag chunks (labkit.train pads a sequence to 1048576 tokens, a "
+            "length to plan instead)") in out
+    assert out.endswith("--seq-len 1048575 is that length: try --seq-len 1048576\n")
+    assert main([*argv, "--cp", "2"]) == 2  # asked for a cp that cannot cut it: refused, naming it
+    assert "--cp 2: no layout can use it: 2 does not cut the sequence's 1048575 tokens" in capsys.readouterr().err
+    # memory alone: the reason stays what it was (a length that cp cuts, or cp not asked for)
+    shape = dataclasses.replace(TransformerShape.preset("gpt3-175b"), seq_len=2047)
+    alone = plan(shape, Cluster(GPUS["V100 32GB"], 8), 64, context_parallel=(1,))
+    assert alone.padded_seq_len is None and alone.reason().endswith("GB usable")
+
+
 def test_under_accumulation_zero_2_prices_and_holds_what_zero_1_does():
     """With ``m > 1`` ZeRO-2 holds whole gradients through the schedule and, like ZeRO-1, reduce-scatters them and
     gathers the weights (ZeRO, section 7.2.1): the same step and memory, so the planner lists it once."""

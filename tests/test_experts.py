@@ -196,8 +196,11 @@ def test_tinygpt_with_experts_counts_its_parameters_and_starts_alike():
     ({"n_experts": -1}, "n_experts must be an integer >= 0"),
     ({"n_experts": 4, "top_k": 5}, "top_k=5 experts per token cannot exceed n_experts=4"),
     ({"n_experts": 4, "router": "relu"}, "router score must be one of"),
-    ({"n_experts": 4, "capacity_factor": 0}, "capacity_factor must be a number > 0"),
-    ({"n_experts": 4, "aux_loss_weight": -0.1}, "aux_loss_weight must be a number >= 0"),
+    ({"n_experts": 4, "capacity_factor": 0}, "capacity_factor must be a finite number > 0"),
+    ({"n_experts": 4, "capacity_factor": float("inf")}, "capacity_factor must be a finite number > 0"),  # overflowed
+    ({"n_experts": 4, "aux_loss_weight": -0.1}, "aux_loss_weight must be a finite number >= 0"),
+    ({"n_experts": 4, "aux_loss_weight": float("inf")}, "aux_loss_weight must be a finite number >= 0"),  # NaN loss
+    ({"n_experts": 4, "bias_update_rate": float("inf")}, "bias_update_rate must be a finite number >= 0"),
     ({"n_experts": 4, "expert_hidden": 0}, "expert_hidden must be an integer >= 1"),
     ({"n_experts": 4, "n_shared_experts": -1}, "n_shared_experts must be an integer >= 0"),
 ])

@@ -140,7 +140,7 @@ def test_the_trainer_reads_the_same_batches_through_any_number_of_workers_and_re
 
 @pytest.mark.parametrize("flags, message", [
     (["--workers", "-1"], "--workers must be an integer >= 0"),
-    (["--data-ms", "-2"], "--data-ms must be a number >= 0"),
+    (["--data-ms", "-2"], "--data-ms must be a finite number >= 0"),
     (["--workers", "1", "--prefetch-factor", "0"], "--prefetch-factor must be an integer >= 1"),
     (["--persistent-workers"], "need worker processes"),
     (["--workers", "0", "--prefetch-factor", "4"], "need worker processes"),

@@ -98,6 +98,71 @@ def test_bad_files_and_values_are_one_line_before_anything_starts(flags, message
     assert message.format(**names) in err
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),  # trained to NaN from step 2
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--lr", "-0.1"], "--lr must be a finite number > 0, got -0.1"),
+    (["--clip-grad-norm", "inf"], "--clip-grad-norm must be a finite number > 0, got inf"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be a finite number > 0, got 0.0"),
+    (["--data-ms", "inf"], "--data-ms must be a finite number >= 0, got inf"),  # every sample forever
+    (["--experts", "4", "--capacity-factor", "inf"], "capacity_factor must be a finite number > 0"),
+    (["--experts", "4", "--aux-loss-weight", "inf"], "aux_loss_weight must be a finite number >= 0"),
+])
+def test_a_number_flag_that_is_not_finite_or_in_range_is_refused_before_anything_starts(flags, message, capsys):
+    assert train.main([*flags, "--steps", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_a_bucket_size_that_is_not_finite_and_non_negative_is_refused_before_the_ranks_start(value, capsys):
+    """``--bucket-cap-mb nan`` passed the checks and failed inside both ranks (DistributedDataParallel's own)."""
+    assert train.main(["--strategy", "ddp", "--bucket-cap-mb", value, "--steps", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"labkit.train: --bucket-cap-mb must be a finite number >= 0, got {float(value)}\n"
+    config, _ = train.parse_arguments(["--strategy", "ddp", "--bucket-cap-mb", "0"])  # 0: one all-reduce a tensor
+    assert config.bucket_cap_mb == 0
+
+
+def test_the_readme_expert_parallel_example_forks_as_many_ranks_as_its_degrees(monkeypatch):
+    """README's ``--dp 4 --ep 4 --experts 8 ...`` was refused for a missing --nprocs: the degrees given say how
+    many ranks (dp x cp x tp x pp; ep folded over dp x cp adds none).  --nprocs or torchrun's WORLD_SIZE that
+    disagrees with them is refused, and so is a 3D run without --dp (dp is what the others leave of the ranks)."""
+    line = next(line for line in (REPO / "README.md").read_text().splitlines() if " --dp 4 --ep 4 " in line)
+    flags = line.split("-m labkit.train ")[1].split()
+    config, nprocs = train.parse_arguments([*flags, "--steps", "2"])
+    assert (nprocs, config.dp, config.ep, config.tp, config.pp, config.cp) == (4, 4, 4, 1, 1, 1)
+    assert train.parse_arguments(["--dp", "2", "--cp", "2", "--steps", "2"])[1] == 4
+    assert train.parse_arguments(["--dp", "2", "--tp", "2", "--pp", "2", "--steps", "2"])[1] == 8
+    with pytest.raises(ValueError, match=r"4 \* 1 \* 1 = 4, but there are 2"):
+        train.parse_arguments([*flags, "--nprocs", "2"])
+    with pytest.raises(ValueError, match="a 3D run without --dp needs --nprocs N"):
+        train.parse_arguments(["--tp", "2", "--ep", "2", "--experts", "4"])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")  # under torchrun the world is WORLD_SIZE
+    with pytest.raises(ValueError, match=r"4 \* 1 \* 1 = 4, but there are 8"):
+        train.parse_arguments(flags)
+
+
+def test_a_sharded_checkpoint_missing_or_short_of_a_file_is_refused_before_the_ranks_start(tmp_path, capsys):
+    """A lost shard was found by the rank that read it, after every rank had started: the manifest lists every
+    file with its size, and one ``stat`` each finds it before."""
+    flags = ["--model", "tiny-mlp", "--checkpoint-layout", "sharded", "--checkpoint-dir", str(tmp_path)]
+    assert train.main([*flags, "--steps", "2"]) == 0
+    capsys.readouterr()
+    shard = checkpoint.step_directory(tmp_path, 2) / checkpoint.shard_file(0, 1)
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert train.main([*flags, "--steps", "3", "--resume", "latest"]) == 2
+    assert (f"--resume latest: {shard}: truncated or overwritten: 100 bytes, the manifest says {size:,}"
+            in capsys.readouterr().err)
+    shard.unlink()
+    assert train.main([*flags, "--steps", "3", "--resume", "latest"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"labkit.train: --resume latest: {shard}: missing (the manifest lists it, {size:,} bytes)\n"
+
+
 @pytest.mark.skipif(os.access("/proc/sys", os.W_OK), reason="needs a folder this user cannot write")
 def test_a_checkpoint_directory_that_cannot_be_written_is_refused_before_training(capsys):
     assert train.main(["--checkpoint-dir", "/proc/sys/labkit-run", "--steps", "2"]) == 2

@@ -11,6 +11,7 @@ from labkit.checkpoint.files import (
     MANIFEST,
     PARTIAL,
     CheckpointError,
+    check_files,
     latest,
     read_file,
     read_manifest,
@@ -35,6 +36,6 @@ from labkit.checkpoint.state import (
 )
 
 __all__ = ["COMMON", "FORMAT", "LAYOUTS", "MANIFEST", "PARTIAL", "STATE", "CheckpointError", "Resumed",
-           "check_compatible", "latest", "load", "load_dcp_model", "read_file", "read_manifest",
+           "check_compatible", "check_files", "latest", "load", "load_dcp_model", "read_file", "read_manifest",
            "remove_stale_partial_files", "rng_state", "save", "serialise", "set_rng_state", "shard_file",
            "stale_partial_files", "step_directory", "write_atomically"]

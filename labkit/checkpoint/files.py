@@ -150,6 +150,27 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def _check_size(file: Path, expected: Mapping[str, Any]) -> None:
+    """:class:`CheckpointError` unless ``file`` exists with the manifest's size: one ``stat``, no read."""
+    try:
+        size = file.stat().st_size if file.is_file() else None
+    except OSError:
+        size = None
+    if size is None:
+        raise CheckpointError(f"{file}: missing (the manifest lists it, {expected['bytes']:,} bytes)")
+    if size != expected["bytes"]:
+        raise CheckpointError(f"{file}: truncated or overwritten: {size:,} bytes, the manifest says "
+                              f"{expected['bytes']:,}")
+
+
+def check_files(path: str | os.PathLike, manifest: Mapping[str, Any]) -> None:
+    """Every file the manifest of checkpoint ``path`` lists is there, at its size (:class:`CheckpointError`
+    naming the first that is not).  A ``stat`` a file: cheap enough to run before any rank starts, where a lost
+    shard would otherwise be found by the rank that reads it (the checksums are read with the files)."""
+    for name, expected in manifest["files"].items():
+        _check_size(Path(path) / name, expected)
+
+
 def read_file(path: str | os.PathLike, name: str, manifest: Mapping[str, Any] | None = None) -> Any:
     """File ``name`` of checkpoint ``path``, checked against the manifest (present, its size, its SHA-256),
     then loaded with ``torch.load(weights_only=True)`` onto the CPU."""
@@ -159,12 +180,8 @@ def read_file(path: str | os.PathLike, name: str, manifest: Mapping[str, Any] | 
     file = path / name
     if expected is None:
         raise CheckpointError(f"{file}: not listed in {path / MANIFEST}")
-    if not file.is_file():
-        raise CheckpointError(f"{file}: missing (the manifest lists it, {expected['bytes']:,} bytes)")
-    data = file.read_bytes()
-    if len(data) != expected["bytes"]:
-        raise CheckpointError(f"{file}: truncated or overwritten: {len(data):,} bytes, the manifest says "
-                              f"{expected['bytes']:,}")
+    _check_size(file, expected)
+    data = file.read_bytes()  # a file changed since the stat fails the checksum
     if hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise CheckpointError(f"{file}: corrupted: its SHA-256 differs from the manifest's")
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

@@ -54,6 +54,7 @@ from labkit.checkpoint.files import (
     FORMAT,
     MANIFEST,
     CheckpointError,
+    check_files,
     latest,
     read_file,
     read_manifest,
@@ -67,7 +68,7 @@ from labkit.checkpoint.files import (
 )
 
 __all__ = ["FORMAT", "LAYOUTS", "MANIFEST", "STATE", "COMMON", "CheckpointError", "Resumed", "check_compatible",
-           "latest", "load", "load_dcp_model", "read_file", "read_manifest", "remove_stale_partial_files",
+           "check_files", "latest", "load", "load_dcp_model", "read_file", "read_manifest", "remove_stale_partial_files",
            "rng_state", "save", "serialise", "set_rng_state", "shard_file", "stale_partial_files",
            "step_directory", "write_atomically"]
 
@@ -182,10 +183,12 @@ def save(path: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer, 
 
 def check_compatible(path: str | os.PathLike, shapes: Mapping[str, Any], world: int) -> dict[str, Any]:
     """The manifest of checkpoint ``path``, if a model whose tensors have ``shapes`` (name -> shape) can resume
-    from it on ``world`` ranks; else :class:`CheckpointError` naming what differs.  :func:`load` checks this
-    first, and so does ``python -m labkit.train --resume``, before any process starts."""
+    from it on ``world`` ranks and every file it lists is there at its size (:func:`check_files`: a ``stat`` a
+    file); else :class:`CheckpointError` naming what differs or which file.  :func:`load` checks this first, and
+    so does ``python -m labkit.train --resume``, before any process starts."""
     path = Path(path)
     manifest = read_manifest(path)
+    check_files(path, manifest)
     saved = manifest["model"]
     missing, unexpected = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
     if missing or unexpected:

@@ -48,6 +48,7 @@ from labkit.costmodel.memory import activation_bytes, memory_per_rank
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.stages import chunk_layers, rank_expert_parameters, rank_parameters
 from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
+from labkit.parallel.context.layout import padded_length
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")  # tried by default
 ALL_SCHEDULES = SCHEDULES + ("interleaved-zb", "zb-v", "dualpipev")  # those of 2024-25 on request (schedules=)
@@ -117,6 +118,9 @@ class PlanResult:
     smallest_memory: float | None = None  # bytes per GPU the least hungry candidate needed
     notes: list[str] = field(default_factory=list)
     usable_bytes: float | None = None  # what a plan could fill of each GPU
+    # Nothing fits, and context parallelism, tried for it, cannot cut the sequence into 2 cp zig-zag chunks for
+    # any cp: the length labkit.train would pad it to for the largest cp tried (a length to plan instead).
+    padded_seq_len: int | None = None
 
     @property
     def best(self) -> Candidate | None:
@@ -128,12 +132,45 @@ class PlanResult:
         if self.smallest_memory is None:
             return "no configuration divides this model, batch and number of GPUs: " + "; ".join(self.notes)
         room = "" if self.usable_bytes is None else f", {self.usable_bytes / 1e9:.1f} GB usable"
+        unsplit = "" if self.padded_seq_len is None else (
+            f"; context parallelism, which would spread each sequence's activations, cannot split this sequence "
+            f"length: no cp tried cuts it into 2 cp equal zig-zag chunks (labkit.train pads a sequence to "
+            f"{self.padded_seq_len} tokens, a length to plan instead)")
         return (f"nothing fits: the least memory any of the {self.considered} configurations needs is "
-                f"{self.smallest_memory / 1e9:.1f} GB per GPU{room}")
+                f"{self.smallest_memory / 1e9:.1f} GB per GPU{room}{unsplit}")
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def cp_problem(shape: TransformerShape, ranks: int, cp: int, cp_strategy: str = "ring", tp: int = 1) -> str | None:
+    """Why ``cp`` ranks cannot split ``shape``'s sequences on ``ranks`` GPUs at tensor-parallel degree ``tp``, or
+    None: cp must divide the ``ranks / tp`` ranks left, cut each sequence into ``2 cp`` equal zig-zag chunks (one
+    from each end a rank, for causal balance), and under Ulysses divide each TP rank's heads.  The one rule
+    :func:`candidates` filters by and ``labkit plan --cp`` explains a refusal with."""
+    problems = []
+    if (ranks // tp) % cp:
+        problems.append(f"does not divide the {ranks // tp} GPUs")
+    if cp > 1 and padded_length(shape.seq_len, cp) != shape.seq_len:
+        problems.append(f"does not cut the sequence's {shape.seq_len} tokens into {2 * cp} equal zig-zag chunks "
+                        "(two a cp rank)")
+    if cp > 1 and cp_strategy == "ulysses" and (shape.num_heads // tp) % cp:
+        problems.append(f"does not divide the {shape.num_heads // tp} heads Ulysses spreads over the cp ranks")
+    return ", and ".join(problems) or None
+
+
+def ep_problem(shape: TransformerShape, ranks: int, ep: int) -> str | None:
+    """Why ``ep`` ranks cannot hold ``shape``'s experts, or None: ep must divide the experts (each rank holds
+    ``E / ep``) and the ``dp x cp`` replicas it is folded over, so ``ranks``, their number (or the GPUs, which
+    every ``dp x cp`` divides).  The one rule :func:`candidates` filters by and ``labkit plan --ep`` explains a
+    refusal with."""
+    problems = []
+    if shape.num_experts % ep:
+        problems.append(f"does not divide the {shape.num_experts} experts")
+    if ranks % ep:
+        problems.append(f"does not divide dp x cp (a divisor of {ranks})")
+    return ", and ".join(problems) or None
 
 
 def _ep_degrees(shape: TransformerShape, replicas: int, asked: tuple[int, ...] | None) -> list[int]:
@@ -141,7 +178,7 @@ def _ep_degrees(shape: TransformerShape, replicas: int, asked: tuple[int, ...] |
     if not shape.moe_layers:
         return [1]
     tried = asked or tuple(2 ** k for k in range(shape.num_experts.bit_length()))
-    return [ep for ep in tried if replicas % ep == 0 and shape.num_experts % ep == 0]
+    return [ep for ep in tried if ep_problem(shape, replicas, ep) is None]
 
 
 def held_microbatches(layout: Layout, m: int, rank: int) -> float:
@@ -255,8 +292,7 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
     for t, cp in ((t, cp) for t in _divisors(num_gpus) for cp in context_parallel):
         if shape.num_heads % t or shape.num_kv_heads % t or (tensor_parallel and t not in tensor_parallel):
             continue
-        if (num_gpus // t) % cp or (cp > 1 and (shape.seq_len % (2 * cp) or (
-                cp_strategy == "ulysses" and (shape.num_heads // t) % cp))):
+        if cp_problem(shape, num_gpus, cp, cp_strategy, t) is not None:
             continue
         for p in _divisors(num_gpus // (t * cp)):
             d = num_gpus // (t * cp * p)
@@ -299,12 +335,14 @@ def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int 
         return layout_memory(shape, layout, global_batch, flash_attention=flash_attention, dropout=dropout,
                              gradient_bytes=gradient_bytes)["total"] <= cluster.usable_bytes
 
+    tried_cp = choices.get("context_parallel", (1,))
     if "context_parallel" not in choices and not any(fits(layout) for layout in layouts):
         # Nothing fits without context parallelism: try it (powers of two that cut the sequence into 2 cp chunks),
         # and keep what it adds only if something then fits (else the answer, and its reason, stay without it).
         degrees = tuple(cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp <= cluster.num_gpus)
         with_cp = candidates(shape, cluster.num_gpus, global_batch, context_parallel=degrees, **choices)
         layouts = with_cp if any(fits(layout) for layout in with_cp if layout.cp > 1) else layouts
+        tried_cp = degrees
     hardware = cluster.hardware()
     fitting, smallest = [], math.inf
     memory_options = {"flash_attention": flash_attention, "dropout": dropout, "gradient_bytes": gradient_bytes}
@@ -331,5 +369,8 @@ def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int 
                                                           cluster.gpu.peak_bf16_flops),
                                 global_batch * shape.seq_len / step.step_s))
         ranked.sort(key=lambda candidate: candidate.step.step_s)
+    split = [cp for cp in tried_cp if cp > 1]  # when none cuts the sequence, its length is why nothing fits
+    unsplit = split and not fitting and layouts and all(padded_length(shape.seq_len, cp) > shape.seq_len
+                                                        for cp in split)
     return PlanResult(ranked[:top], len(layouts), len(fitting), None if fitting or not layouts else smallest, notes,
-                      cluster.usable_bytes)
+                      cluster.usable_bytes, padded_length(shape.seq_len, max(split)) if unsplit else None)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from labkit import checkpoint, dist, monitor
+from labkit.costmodel.shapes import check_amount
 from labkit.degrees import check_degree
 from labkit.models import GPTConfig, MLPConfig, TinyGPT, TinyMLP
 from labkit.parallel.parallelize import check_3d
@@ -185,8 +186,6 @@ class TrainConfig:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
                                          or self.workers < 0):
             raise ValueError(f"--workers must be an integer >= 0, got {self.workers!r}")
-        if not (isinstance(self.data_ms, int | float) and not isinstance(self.data_ms, bool) and self.data_ms >= 0):
-            raise ValueError(f"--data-ms must be a number >= 0, got {self.data_ms!r}")
         if isinstance(self.prefetch_factor, bool) or not isinstance(self.prefetch_factor, int) or self.prefetch_factor < 1:
             raise ValueError(f"--prefetch-factor must be an integer >= 1, got {self.prefetch_factor!r}")
         if not self.workers and (self.prefetch_factor != 2 or self.persistent_workers):
@@ -194,12 +193,13 @@ class TrainConfig:
                              "N >= 1")
         if monitor.fault_from_environment() is not None and (self.three_d or self.strategy == "single"):
             raise ValueError(f"{monitor.FAULT_VARIABLE} needs a data-parallel --strategy (ddp, zero1, zero2, fsdp)")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        if self.bucket_cap_mb < 0:
-            raise ValueError(f"--bucket-cap-mb must be >= 0, got {self.bucket_cap_mb}")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ValueError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
+        # The numbers: finite, or an inf learning rate trains to NaN and a nan bucket size fails inside every rank.
+        # --bucket-cap-mb 0 is one all-reduce a parameter; --data-ms 0 makes samples at no cost.
+        for flag, value, positive in (("--lr", self.lr, True), ("--clip-grad-norm", self.clip_grad_norm, True),
+                                      ("--bucket-cap-mb", self.bucket_cap_mb, False),
+                                      ("--data-ms", self.data_ms, False)):
+            if value is not None:  # --clip-grad-norm left out: no clipping
+                check_amount(flag, value, minimum_exclusive=positive)
         if self.save_every is not None and (self.save_every < 1 or self.checkpoint_dir is None):
             raise ValueError(f"--save-every must be >= 1 and needs --checkpoint-dir, got {self.save_every} with "
                              f"--checkpoint-dir {self.checkpoint_dir}")
@@ -289,18 +289,21 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--traceback", action="store_true",
                         help="when a rank fails, print its full traceback (default: one line, the traceback in a file)")
     parser.add_argument("--nprocs", type=int, default=None,
-                        help="ranks to fork on this machine (default: 2 for ddp, 1 for single, dp x tp x pp for 3D; "
-                             "ignored under torchrun)")
+                        help="ranks to fork on this machine (default: 2 for ddp, 1 for single, dp x cp x tp x pp "
+                             "for 3D with --dp given; ignored under torchrun)")
     args = parser.parse_args(argv)
     config = TrainConfig(**{key: value for key, value in vars(args).items() if key != "nprocs"})
     config.validate()
     if args.nprocs is not None:
         nprocs = args.nprocs
     elif config.three_d:
-        if None in (config.dp, config.tp, config.pp) and not dist.in_torchrun():
-            raise ValueError("a 3D run needs --nprocs N (or all of --dp, --tp and --pp, whose product, times --cp, "
-                             "it is)")
-        nprocs = (config.dp or 1) * (config.tp or 1) * (config.pp or 1) * (config.cp or 1)  # ep: folded over dp
+        # The degrees given say how many ranks to fork: a degree left out is 1, except dp, which is what the
+        # others leave of the ranks, so it must be given (ep adds none: it is folded over dp x cp).  Under torchrun
+        # WORLD_SIZE is the world, and resolve() checks the degrees against it.
+        if config.dp is None and not dist.in_torchrun():
+            raise ValueError("a 3D run without --dp needs --nprocs N (dp is what --tp, --pp and --cp leave of the "
+                             "N ranks), or give --dp D: the ranks are then dp x cp x tp x pp")
+        nprocs = (config.dp or 1) * (config.tp or 1) * (config.pp or 1) * (config.cp or 1)
     else:
         nprocs = 1 if config.strategy == "single" else 2
     if nprocs < 1:

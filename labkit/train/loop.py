@@ -13,7 +13,8 @@ On GPUs (NCCL, one process per GPU; ``torchrun`` sets RANK/WORLD_SIZE and the tr
 them out on a :class:`labkit.mesh.Mesh` and wraps the model with :func:`labkit.parallel.parallelize.parallelize`:
 pipeline stages over pp (``--schedule gpipe|1f1b|interleaved|zb-h1|interleaved-zb|zb-v|dualpipev``,
 ``--microbatches M``), tensor parallelism over tp, and over dp DDP, ZeRO-1, ZeRO-2 or FSDP (``--zero 0|1|2|3``).
-A degree left out is 1, or for dp what the world size leaves.  The same command on a laptop (``--nprocs 8``, gloo) and on GPU nodes (``torchrun``, NCCL)::
+A degree left out is 1, or for dp what the world size leaves; without ``--nprocs`` (and outside torchrun) the
+degrees given, ``--dp`` among them, say how many ranks to fork.  The same command on a laptop (``--nprocs 8``, gloo) and on GPU nodes (``torchrun``, NCCL)::
 
     python -m labkit.train --dp 2 --tp 2 --pp 2 --nprocs 8 --steps 50
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \

@@ -58,12 +58,16 @@ def check_moe(n_experts: object, top_k: object, *, score: object = "softmax", ca
     if expert_hidden is not None and (isinstance(expert_hidden, bool) or not isinstance(expert_hidden, int)
                                       or expert_hidden < 1):
         raise ValueError(f"expert_hidden must be an integer >= 1 or None (4 n_embd), got {expert_hidden!r}")
+    # Finite: an infinite capacity (None is no limit) overflows ceil(C T k / E), an infinite loss weight trains to
+    # NaN, and an infinite bias step makes the biases infinite, so the routing no longer reads the scores.
     if capacity_factor is not None and (isinstance(capacity_factor, bool)
-                                        or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0):
-        raise ValueError(f"capacity_factor must be a number > 0, or None to drop nothing, got {capacity_factor!r}")
+                                        or not isinstance(capacity_factor, (int, float))
+                                        or not 0 < capacity_factor < math.inf):
+        raise ValueError(f"capacity_factor must be a finite number > 0, or None to drop nothing, got "
+                         f"{capacity_factor!r}")
     for name, value in (("aux_loss_weight", aux_loss_weight), ("bias_update_rate", bias_update_rate)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float | None) -> int | None:
