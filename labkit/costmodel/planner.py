@@ -48,7 +48,7 @@ from labkit.costmodel.memory import activation_bytes, memory_per_rank
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.stages import chunk_layers, rank_expert_parameters, rank_parameters
 from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
-from labkit.parallel.context.layout import padded_length
+from labkit.parallel.context.sequence import padded_length
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")  # tried by default
 ALL_SCHEDULES = SCHEDULES + ("interleaved-zb", "zb-v", "dualpipev")  # those of 2024-25 on request (schedules=)
