@@ -55,22 +55,15 @@ from labkit.checkpoint.files import (
     MANIFEST,
     CheckpointError,
     check_files,
-    latest,
     read_file,
     read_manifest,
-    remove_stale_partial_files,
     rng_state,
     serialise,
     set_rng_state,
-    stale_partial_files,
-    step_directory,
     write_atomically,
 )
 
-__all__ = ["FORMAT", "LAYOUTS", "MANIFEST", "STATE", "COMMON", "CheckpointError", "Resumed", "check_compatible",
-           "check_files", "latest", "load", "load_dcp_model", "read_file", "read_manifest", "remove_stale_partial_files",
-           "rng_state", "save", "serialise", "set_rng_state", "shard_file", "stale_partial_files",
-           "step_directory", "write_atomically"]
+__all__ = ["COMMON", "LAYOUTS", "STATE", "Resumed", "check_compatible", "load", "load_dcp_model", "save", "shard_file"]
 
 STATE, COMMON = "state.pt", "common.pt"
 LAYOUTS = ("full", "sharded")
