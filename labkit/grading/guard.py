@@ -64,7 +64,7 @@ LABKIT_IMPLEMENTATIONS = (
     # 11: a schedule placed in time (labkit.parallel.pipeline.engine, which the step model places with)
     "labkit.lr",  # 03: the global batch, the linear rule, warmup and decay
     "labkit.precision",  # 04: the dynamic loss scaler
-    "labkit.checkpoint",  # 09: saving and resuming a run (rank 0 writes, every rank's RNG and sampler states)
+    "labkit.checkpoint",  # 09: saving and resuming a run (state.py), the atomic write and the RNG helpers (files.py)
     "labkit.mesh",  # 10: the 3D layout (mesh_coordinates and mesh_groups, in "tp-dp-pp") and the Mesh built on it
     "labkit.costmodel.step",  # 11: the step model (predict_step, stage_times, closed_form_makespan)
     "labkit.costmodel.stages",  # 11: the step model's per-stage costs (chunk_costs, stage_times)
