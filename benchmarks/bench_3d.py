@@ -48,8 +48,8 @@ from labkit.costmodel.step import Layout
 from labkit.launch import launch
 from labkit.mesh import Mesh
 from labkit.models import GPTConfig, TinyGPT
-from labkit.parallel.parallelize import PARTS, parallelize
-from labkit.parallel.parallelize.timing import LR, slowest_rank_seconds, step_batch, time_layouts
+from labkit.parallel.parallelize import parallelize
+from labkit.parallel.parallelize.timing import LR, PARTS, slowest_rank_seconds, step_batch, time_layouts
 
 TARGET_RATIO = 1.0
 TARGET_PREDICTION_ERROR = 0.30
