@@ -1,10 +1,11 @@
 """The library's layout holds: modules of one concept, no import cycle, layers importing downwards, public names
 across modules.
 
-The layers (DESIGN.md): what needs no process group at the bottom (the analytical models of
-``labkit.costmodel``, pure arithmetic, and the workloads they describe: ``models``, ``data``), then the runtime
-(dist, launch, worker, mesh, trace, collectives, measure), then the parallelisms (``labkit.parallel``), then the
-training recipes; the trainer, the course's tools and the command line on top.  A module may
+The layers (DESIGN.md): what needs no process group at the bottom (the degrees, the analytical models of
+``labkit.costmodel``, pure arithmetic, and the workloads they describe: ``models``, ``data``, schedules as data),
+then the runtime (dist, the ``launch`` package, mesh, trace, collectives, measure), then the parallelisms
+(``labkit.parallel``), then the training recipes (lr, precision, recompute, the ``checkpoint`` package, loader,
+monitor, pitfalls); the ``train`` package, the course's tools and the command line on top.  A module may
 import from its own layer and the layers below, never from above.
 """
 
