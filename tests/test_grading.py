@@ -612,7 +612,7 @@ def test_the_guard_refuses_labkits_and_torchs_checkpointing_but_leaves_labkits_d
     ("checkpointing_folder_of_a_bare_name", 3, ['save_checkpoint("checkpoint.pt", ...), a path without a folder, '
                                                 "raised on rank 0: FileNotFoundError"]),
     ("checkpointing_copies_the_tmp_file", 1, ["left checkpoint.pt.tmp beside the checkpoint", "os.replace"]),
-    ("checkpointing_labkit_checkpoint", 0, ["rank 0 used labkit.checkpoint.save, labkit's own implementation"]),
+    ("checkpointing_labkit_checkpoint", 0, ["rank 0 used labkit.checkpoint.state.save, labkit's own implementation"]),
     ("checkpointing_dcp", 1, ["used torch.distributed.checkpoint.state_dict_saver.save, a built-in"]),
     ("checkpointing_drops_scheduler", 0, ["from step 6 on, rank 0's loss", "the learning-rate schedule is not where it "
                                           "was (scheduler.state_dict(): last_epoch 3 saved, 0 after the load)"]),
