@@ -4,7 +4,7 @@
     python benchmarks/bench_collectives.py --anatomy [--quick]
 
 For 2 and 4 ranks and messages from 4 KiB to 64 MiB it prints the bus bandwidth (GB/s, NCCL-tests'
-convention, see ``labkit.bus_bandwidth``) of each all-reduce, measured in one launched job, and the
+convention, see ``labkit.costmodel.collectives.bus_bandwidth``) of each all-reduce, measured in one launched job, and the
 ring's bus bandwidth predicted by the alpha-beta model of one ring step fitted on the spot (the model leaves
 out the time spent adding and any overlap between steps).  As in NCCL-tests a timed batch is several back-to-back
 calls after a barrier; the algorithms take turns batch by batch (ring, gloo, naive, ring, ...) so a burst of

@@ -2,7 +2,7 @@
 MoE blocks when the mesh has ``ep > 1``.
 
 - every stage's MoE layers keep this rank's ``E / ep`` experts and route over ``Mesh.group("ep")``
-  (:func:`~labkit.parallel.experts.layer.apply_expert_parallel`);
+  (:func:`apply_expert_parallel`);
 - the data-parallel wrapper, over dp x cp, averages every other parameter and leaves the experts alone (they
   differ between its ranks); after the schedule their gradients are summed over ``Mesh.group("edp")`` (the
   ranks holding the same experts) and divided by ``dp * cp`` (:func:`reduce_expert_gradients`): the gradient
