@@ -68,16 +68,14 @@ def compile_orders(name: str, p: int, m: int, stages: int, orders: Sequence[Sequ
     slot = [-1] * (stages * 4 * m)  # (stage, kind, micro-batch) -> id
     actions: list[Any] = []
     first: list[int] = []
-    for order in orders:
+    rank: list[int] = []  # of each id
+    for r, order in enumerate(orders):
         first.append(len(actions))
         for action in order:
             slot[(action.stage * 4 + KIND_INDEX[action.kind]) * m + action.microbatch] = len(actions)
             actions.append(action)
+            rank.append(r)
     n = len(actions)
-    rank = [0] * n
-    for r in range(p):
-        for i in range(first[r], first[r + 1] if r + 1 < p else n):
-            rank[i] = r
     pair_of = [-1] * n
     for forward, backward in pairs:
         pair_of[slot[(forward.stage * 4) * m + forward.microbatch]] = \
@@ -139,6 +137,8 @@ def compile_orders(name: str, p: int, m: int, stages: int, orders: Sequence[Sequ
     for i in range(n):
         crossing = [need[0] for need in unit_needs[i] if rank[need[0]] != rank[i]] if i not in paired_second else []
         inputs.append(tuple(dict.fromkeys(crossing)))
+        # a forward waits for the previous stage, a backward for the next one, a pair for both: never more
+        assert len(inputs[-1]) <= 2, f"{name}: {actions[i]} waits on {len(inputs[-1])} other ranks' passes"
     steps = []
     for i in topological:
         before = i - 1 if i > first[rank[i]] else none
