@@ -50,6 +50,7 @@ from __future__ import annotations
 from typing import Any
 
 from labkit.costmodel.collectives import LinkModel, ring_all_gather_cost, ring_reduce_scatter_cost
+from labkit.costmodel.kernels import attention_time
 from labkit.costmodel.memory import korthikanti_layer_activation_bytes
 from labkit.costmodel.shapes import num_parameters
 from labkit.parallel.context.sequence import chunk_positions, padded_length
@@ -178,14 +179,19 @@ def cp_layer_seconds(shape: Any, layout: Any, hardware: Any, link: LinkModel,
     block = int(2 * b * local * kv_width) * value_bytes  # one rank's K and V
     latency, slowdown = hardware.call_latency_s, hardware.overlap_slowdown
     if layout.cp_strategy == "ring":
-        # one step's attention products: 1 / cp of the rank's causal work (zig-zag: half of its queries' pairs)
+        # one step's attention products: 1 / cp of the rank's causal work (zig-zag: half of its queries' pairs);
+        # with the GPU's kernels (labkit.costmodel.kernels), a causal flash kernel's, backward 2.5x the forward
         step = 2 * b * local * shape.seq_len * shape.hidden_size / t / hardware.flops / cp
+        back = 2 * step
+        if getattr(hardware, "kernels", None) is not None:
+            step, back = (part / cp for part in attention_time(hardware.kernels, shape, b, shape.seq_len, t, cp,
+                                                               True, False, value_bytes))
         send = link.alpha_s + block * link.beta_s_per_byte + latency
 
         def exposed(transfer: float, compute: float) -> float:
             return max(0.0, transfer - compute) + slowdown * min(transfer, compute)
 
-        return (cp - 1) * exposed(send, step), (cp - 1) * exposed(2 * send, 2 * step)
+        return (cp - 1) * exposed(send, step), (cp - 1) * exposed(2 * send, back)
     if layout.cp_strategy == "all_gather":
         gather = ring_all_gather_cost(block * cp, cp, link, element_size=value_bytes).time_s + latency
         scatter = ring_reduce_scatter_cost(block * cp, cp, link, element_size=value_bytes).time_s + latency

@@ -50,7 +50,9 @@ OVERLAP_SLOWDOWN = 0.189
 class GPU:
     """A GPU's memory, dense bf16 peak (fp16 on the V100) and links (vendor datasheet figures, without
     sparsity).  Bandwidths are bytes per second one GPU can send in one direction: ``nvlink_bandwidth`` to the
-    GPUs of its node, ``network_bandwidth`` (its share of the node's InfiniBand NICs) to other nodes."""
+    GPUs of its node, ``network_bandwidth`` (its share of the node's InfiniBand NICs) to other nodes.
+    ``memory_bandwidth``: its HBM's, bytes per second; ``multiprocessors``: its streaming multiprocessors (SMs),
+    the units a kernel's tiles are spread over (:mod:`labkit.costmodel.kernels`)."""
 
     name: str
     memory_bytes: float
@@ -59,6 +61,8 @@ class GPU:
     network_bandwidth: float = 0.0
     gpus_per_node: int = 8
     source: str = ""
+    memory_bandwidth: float = 0.0
+    multiprocessors: int = 0
 
     def intra_node_link(self) -> LinkModel:
         """The link between two GPUs of one node (NVLink), per direction."""
@@ -71,12 +75,17 @@ class GPU:
 
 GPUS = {
     # V100 SXM2: 125 TFLOP/s fp16 tensor, NVLink 2 300 GB/s total; DGX-2 nodes of 16, 8x EDR 100 Gb/s per node
-    "V100 32GB": GPU("V100 32GB", 32e9, 125e12, 150e9, 6.25e9, 16, "NVIDIA V100 datasheet; DGX-2 user guide"),
+    # (HBM bandwidth and SMs: the same datasheets, and NVIDIA's architecture whitepapers for the SM counts)
+    "V100 32GB": GPU("V100 32GB", 32e9, 125e12, 150e9, 6.25e9, 16, "NVIDIA V100 datasheet; DGX-2 user guide",
+                     900e9, 80),
     # A100 SXM: 312 TFLOP/s bf16, NVLink 3 600 GB/s total (300 each way); DGX A100: 8x HDR 200 Gb/s per node
-    "A100 80GB": GPU("A100 80GB", 80e9, 312e12, 300e9, 25e9, 8, "NVIDIA A100 datasheet; DGX A100 user guide"),
+    "A100 80GB": GPU("A100 80GB", 80e9, 312e12, 300e9, 25e9, 8, "NVIDIA A100 datasheet; DGX A100 user guide",
+                     2039e9, 108),
     # H100 SXM: 989 TFLOP/s bf16 dense, NVLink 4 900 GB/s total (450 each way); DGX H100: 8x NDR 400 Gb/s
-    "H100 80GB": GPU("H100 80GB", 80e9, 989e12, 450e9, 50e9, 8, "NVIDIA H100 datasheet; DGX H100 user guide"),
-    "H200 141GB": GPU("H200 141GB", 141e9, 989e12, 450e9, 50e9, 8, "NVIDIA H200 datasheet (H100's compute)"),
+    "H100 80GB": GPU("H100 80GB", 80e9, 989e12, 450e9, 50e9, 8, "NVIDIA H100 datasheet; DGX H100 user guide",
+                     3.35e12, 132),
+    "H200 141GB": GPU("H200 141GB", 141e9, 989e12, 450e9, 50e9, 8, "NVIDIA H200 datasheet (H100's compute)",
+                      4.8e12, 132),
 }
 
 

@@ -44,9 +44,10 @@ from labkit.costmodel import hardware
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPU, mfu, model_flops_per_step
 from labkit.costmodel.context import cp_buffer_bytes, cp_saved_extra_bytes
+from labkit.costmodel.kernels import Kernels
 from labkit.costmodel.memory import activation_bytes, memory_per_rank
 from labkit.costmodel.shapes import TransformerShape
-from labkit.costmodel.stages import chunk_layers, rank_expert_parameters, rank_parameters
+from labkit.costmodel.stages import chunk_layers, rank_expert_parameters, rank_parameters, weighted_stage_layers
 from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
 from labkit.parallel.context.sequence import padded_length
 
@@ -62,11 +63,16 @@ DP_BUCKET_ELEMENTS = 40_000_000
 class Cluster:
     """``num_gpus`` GPUs of one kind: its peak, memory and links (:data:`labkit.costmodel.compute.GPUS`), the
     fraction ``efficiency`` of the peak its matrices reach, each link's latency, and the share of each GPU's
-    memory a plan leaves free (``memory_margin``, :data:`MEMORY_MARGIN`)."""
+    memory a plan leaves free (``memory_margin``, :data:`MEMORY_MARGIN`).  With ``attention_efficiency`` and
+    ``memory_efficiency`` too, each layer is priced kernel by kernel (:meth:`kernels`,
+    :data:`labkit.costmodel.validation.EFFICIENCIES` the fitted three); without, every FLOP of the Megatron
+    count runs at ``efficiency`` of the peak."""
 
     gpu: GPU
     num_gpus: int
     efficiency: float = 0.5
+    attention_efficiency: float | None = None
+    memory_efficiency: float | None = None
     intra_latency_s: float = hardware.NVLINK_LATENCY_S
     inter_latency_s: float = hardware.INFINIBAND_LATENCY_S
     memory_margin: float = MEMORY_MARGIN
@@ -74,8 +80,14 @@ class Cluster:
     def __post_init__(self) -> None:
         if isinstance(self.num_gpus, bool) or not isinstance(self.num_gpus, int) or self.num_gpus < 1:
             raise ValueError(f"num_gpus must be an integer >= 1, got {self.num_gpus!r}")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency!r}")
+        for name in ("efficiency", "attention_efficiency", "memory_efficiency"):
+            value = getattr(self, name)
+            if (value is not None or name == "efficiency") and not (isinstance(value, (int, float))
+                                                                   and 0 < value <= 1):
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        if (self.attention_efficiency is None) != (self.memory_efficiency is None):
+            raise ValueError("give attention_efficiency and memory_efficiency together (the kernel model), or "
+                             "neither (every FLOP at efficiency)")
         if not 0 <= self.memory_margin < 1:
             raise ValueError(f"memory_margin must be in [0, 1), got {self.memory_margin!r}")
         if self.gpu.nvlink_bandwidth <= 0 or self.gpu.network_bandwidth <= 0:
@@ -94,7 +106,18 @@ class Cluster:
                         LinkModel(self.intra_latency_s, 1 / self.gpu.nvlink_bandwidth),
                         LinkModel(self.inter_latency_s, 1 / self.gpu.network_bandwidth), self.gpu.gpus_per_node,
                         call_latency_s=hardware.NCCL_CALL_LATENCY_S, overlap_slowdown=hardware.OVERLAP_SLOWDOWN,
-                        dp_bucket_elements=DP_BUCKET_ELEMENTS, rails=True)
+                        dp_bucket_elements=DP_BUCKET_ELEMENTS, rails=True, kernels=self.kernels())
+
+    def kernels(self) -> Kernels | None:
+        """The GPU's rates by kernel (:mod:`labkit.costmodel.kernels`): its peak, HBM bandwidth and SMs at the
+        cluster's three efficiencies; ``None`` (every FLOP at ``efficiency``) without ``attention_efficiency``
+        and ``memory_efficiency``."""
+        if self.attention_efficiency is None or self.memory_efficiency is None:
+            return None
+        if not self.gpu.memory_bandwidth or not self.gpu.multiprocessors:
+            raise ValueError(f"{self.gpu.name} has no memory_bandwidth or multiprocessors: the kernel model needs both")
+        return Kernels(self.gpu.peak_bf16_flops, self.gpu.memory_bandwidth, self.gpu.multiprocessors,
+                       self.efficiency, self.attention_efficiency, self.memory_efficiency)
 
 
 @dataclass(frozen=True)
@@ -224,7 +247,7 @@ def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, se
     full = shape
     shape = dataclasses.replace(shape, seq_len=shape.seq_len // layout.cp)  # this rank's tokens of a sequence
     options = {"tp_degree": t, "sequence_parallel": sequence_parallel and t > 1, "dropout": dropout,
-               "flash_attention": flash_attention}
+               "flash_attention": flash_attention or layout.selective_recompute}  # selective: no score matrix kept
     layers = chunk_layers(shape, layout, stage_layers)
     stage = max(sum(layers[c] for c in layout.chunks_of(r)) for r in range(p))  # a rank's layers, its chunks together
     last = layout.rank_of(layout.chunks - 1)  # the output layer's rank: p - 1, or 0 in a V
@@ -270,11 +293,26 @@ def _stages_per_rank(schedule: str, per_stage: int, p: int, m: int, asked: tuple
     return (1,)
 
 
+def uneven_layers(shape: TransformerShape, p: int, schedule: str, v: int) -> tuple[int, ...] | None | bool:
+    """The chunks' layers of a pipeline of ``p`` ranks (``v`` chunks each, two in a V) whose chunks do not divide
+    the layers: torchtitan's split, the embedding and the output each weighing a layer
+    (:func:`~labkit.costmodel.stages.weighted_stage_layers`); ``None`` where they divide (``L / (p v)`` each),
+    ``False`` where no chunk count can hold them."""
+    chunks = p * (v if schedule.startswith("interleaved") else 2 if schedule in ("zb-v", "dualpipev") else 1)
+    if shape.num_layers % chunks == 0:
+        return None
+    try:
+        return weighted_stage_layers(shape.num_layers, chunks)
+    except ValueError:
+        return False
+
+
 def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_batches=(1, 2, 4, 8),
                schedules=SCHEDULES, zero_stages=(0, 1, 2, 3), recompute=(False, True),
                virtual_stages: int | tuple[int, ...] | None = None, tensor_parallel: tuple[int, ...] | None = None,
                pipeline_parallel: tuple[int, ...] | None = None, context_parallel: tuple[int, ...] = (1,),
-               cp_strategy: str = "ring", expert_parallel: tuple[int, ...] | None = None) -> list[Layout]:
+               cp_strategy: str = "ring", expert_parallel: tuple[int, ...] | None = None,
+               uneven_stages: bool = False) -> list[Layout]:
     """Every layout whose degrees divide what they split (see the module docstring), a ZeRO stage only where
     there are replicas to partition over (``d = 1``: the lowest stage asked for), and ZeRO-2 only where it differs
     from ZeRO-1 (``m = 1``: under accumulation it holds whole gradients and sends what ZeRO-1 sends).
@@ -283,7 +321,9 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
     stage's layers); ``tensor_parallel`` and ``pipeline_parallel``: the degrees to try (default: every divisor);
     ``context_parallel``: the cp degrees to try (default none; each must cut the sequence into ``2 cp`` zig-zag
     chunks, and with ``cp_strategy="ulysses"`` divide each TP rank's heads); ``expert_parallel``: the ep degrees
-    to try for an MoE shape (default: every power of two dividing the experts and ``d cp``; a dense shape: 1)."""
+    to try for an MoE shape (default: every power of two dividing the experts and ``d cp``; a dense shape: 1);
+    ``uneven_stages``: also pipelines whose chunks do not divide the layers, split as torchtitan splits them
+    (:func:`uneven_layers`).  ``recompute``: among ``False``, ``True`` (full) and ``"selective"``."""
     interleavings = (virtual_stages,) if isinstance(virtual_stages, int) else virtual_stages
     unknown = [name for name in schedules if name not in ALL_SCHEDULES]
     if unknown:
@@ -296,7 +336,8 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
             continue
         for p in _divisors(num_gpus // (t * cp)):
             d = num_gpus // (t * cp * p)
-            if shape.num_layers % p or global_batch % d or (pipeline_parallel and p not in pipeline_parallel):
+            if (p > shape.num_layers or global_batch % d or (pipeline_parallel and p not in pipeline_parallel)
+                    or (shape.num_layers % p and not uneven_stages)):
                 continue
             for b in micro_batches:
                 if (global_batch // d) % b:
@@ -305,8 +346,13 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
                 for schedule in schedules:
                     if schedule != "1f1b" and p == 1:
                         continue  # one stage: every schedule is the same gradient accumulation
-                    tried = _stages_per_rank(schedule, shape.num_layers // p, p, m, interleavings)
-                    for v in tried:
+                    even = shape.num_layers % p == 0  # else torchtitan's weighted split (uneven_layers)
+                    per_stage = shape.num_layers // p if even else (shape.num_layers + 2) // p \
+                        if (shape.num_layers + 2) % p == 0 else 1
+                    tried = _stages_per_rank(schedule, per_stage, p, m, interleavings)
+                    for v, uneven in ((v, uneven_layers(shape, p, schedule, v)) for v in tried):
+                        if uneven is False or (uneven is not None and not uneven_stages):
+                            continue
                         for zero in zero_stages:
                             if zero == 3 and schedule != "1f1b" and schedule != "gpipe":
                                 continue  # FSDP wraps one stage a rank and cannot follow W passes
@@ -314,7 +360,8 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
                                 continue  # one replica: every ZeRO stage is the same layout
                             if zero == 2 and m > 1 and 1 in zero_stages:
                                 continue  # accumulating, ZeRO-2 holds and sends what ZeRO-1 does: the same layout
-                            found += [Layout(d, t, p, zero, b, r, schedule, v, cp, cp_strategy, ep)
+                            found += [Layout(d, t, p, zero, b, r is True, schedule, v, cp, cp_strategy, ep,
+                                             r == "selective", uneven)
                                       for r in recompute for ep in _ep_degrees(shape, d * cp, expert_parallel)]
     return found
 
@@ -355,7 +402,7 @@ def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int 
                                 f"global batch {global_batch}"]
     # A lower bound for each (free sends, no DP or ZeRO): the exact model runs only where the bound could win.
     step_options = {"gradient_bytes": gradient_bytes, "overlap_gather": overlap_gather, "overlap_tp": overlap_tp,
-                    "overlap_dp": overlap_dp}
+                    "overlap_dp": overlap_dp, "flash_attention": flash_attention, "dropout": dropout}
     bounded = [(lower_bound(shape, layout, global_batch, hardware, **step_options), layout, memory)
                for layout, memory in fitting]
     bounded.sort(key=lambda entry: entry[0])

@@ -259,7 +259,7 @@ class PublishedRun:
     def step_options(self) -> dict[str, int | bool]:
         """How the run communicated: :func:`~labkit.costmodel.planner.plan`'s options for the step model."""
         return {"gradient_bytes": self.gradient_bytes, "overlap_gather": self.overlap_gather,
-                "overlap_tp": self.overlap_tp}
+                "overlap_tp": self.overlap_tp, "flash_attention": self.flash_attention, "dropout": self.dropout}
 
     def plan_options(self) -> dict[str, int | bool]:
         """Both, for :func:`~labkit.costmodel.planner.plan`."""
@@ -271,11 +271,13 @@ class PublishedRun:
         layers = self.stage_layers if layout == self.layout() else None
         return layout_memory(self.shape(), layout, self.global_batch, stage_layers=layers, **self.memory_options())
 
-    def cluster(self, efficiency: float) -> Cluster:
-        """The run's GPUs (:data:`labkit.costmodel.compute.GPUS`) at ``efficiency`` of peak on the matrices."""
+    def cluster(self, efficiency: float | tuple[float, float, float]) -> Cluster:
+        """The run's GPUs (:data:`labkit.costmodel.compute.GPUS`) at ``efficiency`` of peak on the matrices, or
+        ``(matrices, attention, memory)``: the three of :class:`~labkit.costmodel.kernels.Kernels`."""
         if self.gpu not in GPUS:
             raise ValueError(f"{self.name}: unknown GPU {self.gpu!r}; choose one of {sorted(GPUS)}")
-        return Cluster(GPUS[self.gpu], self.gpus, efficiency)
+        rates = (efficiency,) if isinstance(efficiency, (int, float)) else tuple(efficiency)
+        return Cluster(GPUS[self.gpu], self.gpus, *rates)
 
     def model_flops(self) -> float:
         """The model's FLOPs per step (:func:`~labkit.costmodel.compute.model_flops_per_step`)."""

@@ -27,6 +27,7 @@ from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
 from labkit.costmodel.compute import head_flops, layer_flops, model_flops_per_step
 from labkit.costmodel.context import cp_layer_seconds
 from labkit.costmodel.experts import ep_all_to_all_s
+from labkit.costmodel.kernels import Kernels, LayerTime, head_time, layer_time
 from labkit.costmodel.shapes import expert_parameters, layer_parameters, num_parameters
 from labkit.degrees import check_degree, check_degrees
 from labkit.parallel.pipeline.catalog import V_SHAPED
@@ -41,7 +42,12 @@ class Layout:
     dimension, context parallelism (``cp_strategy``: ``"ring"``, ``"all_gather"`` or ``"ulysses"``), each
     sequence split over ``cp`` ranks, whose gradients are reduced (and ZeRO's states sharded) over ``dp x cp``
     ranks, as :mod:`labkit.parallel.parallelize` builds it.  ``ep``: expert parallelism of an MoE shape, folded over
-    ``dp x cp`` (:mod:`labkit.costmodel.experts`)."""
+    ``dp x cp`` (:mod:`labkit.costmodel.experts`).  ``recompute``: full activation recomputation (each layer's
+    forward rerun in its backward); ``selective_recompute``: only the attention core's (Korthikanti et al.
+    2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.2: the scores, softmax,
+    dropout and weighted sum, whose activations are the ``5 a s / h`` term), never both.  ``stage_layers``:
+    each chunk's layers where they are not ``L / (p v)`` each (:func:`weighted_stage_layers`); a
+    ``stage_layers`` argument of the functions below overrides it."""
 
     dp: int
     tp: int
@@ -54,10 +60,19 @@ class Layout:
     cp: int = 1
     cp_strategy: str = "ring"
     ep: int = 1
+    selective_recompute: bool = False
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_degrees(self.dp, self.tp, self.pp, self.cp)
         check_degree("ep", self.ep)
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+            if len(self.stage_layers) != self.chunks or min(self.stage_layers) < 0:
+                raise ValueError(f"stage_layers must give each of the {self.chunks} chunks its layers (>= 0), got "
+                                 f"{self.stage_layers}")
+        if self.recompute and self.selective_recompute:
+            raise ValueError("recompute (full) and selective_recompute exclude each other: choose one")
 
     @property
     def gpus(self) -> int:
@@ -89,8 +104,10 @@ class Layout:
         extra = f" v={self.virtual_stages}" if self.schedule.startswith("interleaved") else ""
         context = f" cp={self.cp} ({self.cp_strategy})" if self.cp > 1 else ""
         context += f" ep={self.ep}" if self.ep > 1 else ""
+        extra += "" if self.stage_layers is None else f" layers {'/'.join(map(str, self.stage_layers))}"
         return (f"dp={self.dp} tp={self.tp} pp={self.pp}{context} ZeRO-{self.zero} b={self.micro_batch}"
-                f"{' recompute' if self.recompute else ''} {self.schedule}{extra}")
+                f"{' recompute' if self.recompute else ' selective recompute' if self.selective_recompute else ''} "
+                f"{self.schedule}{extra}")
 
 
 @dataclass(frozen=True)
@@ -119,7 +136,10 @@ class Hardware:
     each GPU of a node has its own network adapter (``inter_node`` is one GPU's share), and a group that spans
     nodes with ``k`` members in each drives ``k`` of them at once, as NCCL's rings over several channels do
     on DGX nodes: ``k`` times one GPU's network bandwidth, at most the NVLink's (``False``: one GPU's, as if
-    the group had one member a node)."""
+    the group had one member a node).  ``kernels``: the GPU's rates by kernel
+    (:class:`labkit.costmodel.kernels.Kernels`), which then price each layer by its products' shapes, its
+    attention by a causal kernel's tiles and its memory-bound operations by their bytes, and the optimizer's
+    step; ``None``: every FLOP of the Megatron count at ``flops`` (a CPU, calibrated; exercise 11)."""
 
     flops: float
     intra_node: LinkModel
@@ -133,6 +153,7 @@ class Hardware:
     overlap_slowdown: float = 0.0
     dp_bucket_elements: int | None = None
     rails: bool = False
+    kernels: Kernels | None = None
 
 
 def link_of(hardware: Hardware, stride: int, size: int) -> LinkModel:
@@ -152,10 +173,31 @@ def link_of(hardware: Hardware, stride: int, size: int) -> LinkModel:
                      max(hardware.inter_node.beta_s_per_byte / members, hardware.intra_node.beta_s_per_byte))
 
 
+def weighted_stage_layers(layers: int, chunks: int, input_weight: int = 1, output_weight: int = 1
+                          ) -> tuple[int, ...]:
+    """Each of ``chunks`` pipeline chunks' layers when the embedding counts as ``input_weight`` layers on the
+    first and the output layer and loss as ``output_weight`` on the last, the ``layers + input_weight +
+    output_weight`` units split evenly and the remainder one each to the first chunks: torchtitan's rule
+    (``generate_llm_fqn_per_model_part``, ``torchtitan/distributed/pipeline_parallel.py`` of pytorch/torchtitan),
+    Megatron-LM's ``--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split`` when the
+    units divide evenly.  Llama 3 405B's 126 layers on 128 chunks: none on the first and the last, one on each
+    other.  ``ValueError`` when a chunk would hold fewer units than the embedding's or the output's weight."""
+    units = layers + input_weight + output_weight
+    each, extra = divmod(units, chunks)
+    if chunks < 1 or each < max(input_weight, output_weight, 1):
+        raise ValueError(f"{layers} layers (+{input_weight} for the embedding, +{output_weight} for the output) "
+                         f"cannot be split over {chunks} chunks of at least one unit each")
+    counts = [each + (1 if chunk < extra else 0) for chunk in range(chunks)]
+    counts[0] -= input_weight
+    counts[-1] -= output_weight
+    return tuple(counts)
+
+
 def check_divides(shape: Any, layout: Layout, global_batch: int, stage_layers: tuple[int, ...] | None) -> None:
     """Raise ``ValueError`` naming the degree that does not divide what it cuts: the global batch, the experts,
     the sequence, the layers."""
     d, b = layout.dp, layout.micro_batch
+    stage_layers = layout.stage_layers if stage_layers is None else stage_layers
     if global_batch % (d * b):
         raise ValueError(f"the global batch {global_batch} must split into dp={d} replicas of micro-batches of "
                          f"b={b} sequences (global_batch % (dp * b) == 0)")
@@ -175,7 +217,8 @@ def check_divides(shape: Any, layout: Layout, global_batch: int, stage_layers: t
 
 
 def chunk_layers(shape: Any, layout: Layout, stage_layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
-    """Each chunk's layers (``stage_layers``, or ``L / (p v)`` each)."""
+    """Each chunk's layers (``stage_layers``, else the layout's, or ``L / (p v)`` each)."""
+    stage_layers = layout.stage_layers if stage_layers is None else stage_layers
     if stage_layers is not None:
         return tuple(stage_layers)
     return (shape.num_layers // layout.chunks,) * layout.chunks
@@ -214,7 +257,8 @@ def tp_all_reduce_s(shape: Any, layout: Layout, hardware: Hardware, value_bytes:
 
 
 def chunk_costs(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int = 2,
-                stage_layers: tuple[int, ...] | None = None, head_on_last_stage: bool = True) -> ChunkCosts:
+                stage_layers: tuple[int, ...] | None = None, head_on_last_stage: bool = True,
+                flash_attention: bool = True, dropout: bool = False, sequence_parallel: bool = True) -> ChunkCosts:
     """Each chunk's seconds on one micro-batch (module docstring): its layers' FLOPs over the ``t`` ranks of
     its TP group at ``hardware.flops`` (the backward twice the forward, three times with recomputation, the
     forward rerun inside it), the output layer's on the last chunk (never recomputed), the per-layer and
@@ -222,13 +266,18 @@ def chunk_costs(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int
     context parallelism every rank computes ``1 / cp`` of each layer (zig-zag balances the causal work) and its
     attention adds what :func:`labkit.costmodel.context.cp_layer_seconds` leaves exposed; with expert parallelism
     each MoE layer adds two all-to-alls forward, two backward (two more when recomputing):
-    :func:`labkit.costmodel.experts.ep_all_to_all_s`."""
+    :func:`labkit.costmodel.experts.ep_all_to_all_s`.  With ``hardware.kernels`` each layer is priced by its
+    kernels instead (:func:`kernel_passes`; ``flash_attention``, ``dropout`` and ``sequence_parallel`` say
+    which kernels run)."""
     b, t, chunks = layout.micro_batch, layout.tp * layout.cp, layout.chunks
     layers = chunk_layers(shape, layout, stage_layers)
     one = tp_all_reduce_s(shape, layout, hardware, value_bytes)
     backward_passes = 3 if layout.recompute else 2
     per_pass = hardware.pass_overhead_s * layout.pp / chunks  # a rank's per-pass cost, shared by its chunks
-    if head_on_last_stage:
+    if hardware.kernels is not None:
+        forward, backward = kernel_passes(shape, layout, hardware.kernels, stage_layers, head_on_last_stage,
+                                          flash_attention, dropout, sequence_parallel, value_bytes)
+    elif head_on_last_stage:
         layer, head = layer_flops(shape, b) / (t * hardware.flops), head_flops(shape, b) / (t * hardware.flops)
         forward = [n * layer + (head if c == chunks - 1 else 0.0) for c, n in enumerate(layers)]
         backward = [backward_passes * n * layer + (2 * head if c == chunks - 1 else 0.0)
@@ -250,6 +299,36 @@ def chunk_costs(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int
                       tuple((2 + 2 * layout.recompute) * n * one for n in layers),
                       tuple(n * cp_forward for n in layers), tuple(n * cp_backward for n in layers),
                       tuple(2 * n * a2a for n in moe), tuple((2 + 2 * layout.recompute) * n * a2a for n in moe))
+
+
+def kernel_passes(shape: Any, layout: Layout, kernels: Kernels, stage_layers: tuple[int, ...] | None = None,
+                  head_on_last_stage: bool = True, flash_attention: bool = True, dropout: bool = False,
+                  sequence_parallel: bool = True, value_bytes: int = 2) -> tuple[list[float], list[float]]:
+    """Each chunk's forward and backward seconds on one micro-batch from its kernels
+    (:func:`labkit.costmodel.kernels.layer_time`): its dense and MoE layers, the output layer and the loss on
+    the last chunk (:func:`~labkit.costmodel.kernels.head_time`), the backward rerunning each layer's forward
+    under full recomputation and its attention core under selective recomputation; ``head_on_last_stage=False``:
+    the whole model's seconds spread evenly over the chunks."""
+    b, chunks = layout.micro_batch, layout.chunks
+    options = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "flash_attention": flash_attention,
+               "dropout": dropout, "sequence_parallel": sequence_parallel, "value_bytes": value_bytes}
+    dense = layer_time(kernels, shape, b, **options)
+    sparse = layer_time(kernels, shape, b, moe=True, **options) if getattr(shape, "moe_layers", 0) else dense
+
+    def backward_of(layer: LayerTime) -> float:
+        return layer.backward + (layer.forward if layout.recompute else
+                                 layer.attention_forward if layout.selective_recompute else 0.0)
+
+    head_forward, head_backward = head_time(kernels, shape, b, layout.tp, layout.cp, value_bytes)
+    moe = chunk_moe_layers(shape, layout, stage_layers)
+    layers = chunk_layers(shape, layout, stage_layers)
+    forward = [(n - k) * dense.forward + k * sparse.forward for n, k in zip(layers, moe, strict=True)]
+    backward = [(n - k) * backward_of(dense) + k * backward_of(sparse) for n, k in zip(layers, moe, strict=True)]
+    forward[-1] += head_forward
+    backward[-1] += head_backward
+    if not head_on_last_stage:
+        forward, backward = [sum(forward) / chunks] * chunks, [sum(backward) / chunks] * chunks
+    return forward, backward
 
 
 def chunk_moe_layers(shape: Any, layout: Layout, stage_layers: tuple[int, ...] | None = None) -> tuple[int, ...]:

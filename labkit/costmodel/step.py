@@ -30,8 +30,11 @@ from labkit.costmodel.stages import (  # Layout, Hardware and stage_times are im
     chunk_moe_layers,
     chunk_parameters,
     link_of,
+    rank_expert_parameters,
+    rank_parameters,
     stage_times,
 )
+from labkit.costmodel.kernels import optimizer_time
 from labkit.parallel.pipeline import catalog  # pure data and arithmetic (tests/test_layout.py)
 from labkit.parallel.pipeline.catalog import SCHEDULES, SPLIT_BACKWARD
 from labkit.parallel.pipeline.engine import Placement, place
@@ -108,18 +111,20 @@ class StepTime:
     backward_s: float
     cp_s: float = 0.0  # context parallelism's communication in every attention: what is exposed, and the slowdown
     ep_s: float = 0.0  # expert parallelism's all-to-alls in every MoE layer
+    optimizer_s: float = 0.0  # the optimizer's step through memory (priced only with hardware.kernels)
 
     @property
     def step_s(self) -> float:
         return (self.compute_s + self.tp_s + self.cp_s + self.ep_s + self.bubble_s + self.pp_send_s + self.dp_s
-                + self.zero_s)
+                + self.zero_s + self.optimizer_s)
 
     def parts(self) -> dict[str, float]:
         """Each term by name (``"cp"``, ``"ep"`` only for a layout with context or expert parallelism)."""
         parts = {"compute": self.compute_s, "tp": self.tp_s, "bubble": self.bubble_s, "pp send": self.pp_send_s,
                  "dp": self.dp_s, "zero": self.zero_s}
         return {**parts, **({"cp": self.cp_s} if self.layout.cp > 1 else {}),
-                **({"ep": self.ep_s} if self.layout.ep > 1 else {})}
+                **({"ep": self.ep_s} if self.layout.ep > 1 else {}),
+                **({"optimizer": self.optimizer_s} if self.optimizer_s else {})}
 
 
 def place_schedule(schedule: str, p: int, m: int, v: int, forward_s: list[float], backward_s: list[float],
@@ -214,7 +219,8 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
                  gradient_bytes: int | None = None, overlap_dp: bool = True, overlap_gather: bool = False,
                  overlap_tp: bool = False, stage_layers: tuple[int, ...] | None = None,
                  head_on_last_stage: bool = True, sequence_parallel: bool = True,
-                 reshard_after_forward: bool = True) -> StepTime:
+                 reshard_after_forward: bool = True, flash_attention: bool = True, dropout: bool = False
+                 ) -> StepTime:
     """One training step of ``shape`` (a :class:`labkit.costmodel.shapes.TransformerShape`) under ``layout`` on
     ``hardware``, each term apart (:class:`StepTime`).
 
@@ -246,6 +252,11 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
       (ZeRO-3) gathers each layer's weights before every micro-batch's forward and again before its backward,
       prefetched behind the compute before (``reshard_after_forward=False``: once a micro-batch, before the
       forward, the weights kept until the backward, as Llama 3 runs it, Dubey et al. 2024, section 3.3.2).
+    - **the optimizer** (only with ``hardware.kernels``): Adam's step over the parameters the busiest rank
+      updates (its ZeRO shard), through memory (:func:`labkit.costmodel.kernels.optimizer_time`).
+
+    With ``hardware.kernels`` the compute is priced kernel by kernel (``flash_attention``, ``dropout``:
+    which kernels run; :func:`labkit.costmodel.stages.kernel_passes`).
     """
     d, p, b = layout.dp, layout.pp, layout.micro_batch
     if layout.schedule not in SCHEDULES:
@@ -254,7 +265,8 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
     m, v, chunks = global_batch // (d * b), layout.chunks // p, layout.chunks
     gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
     slowdown = hardware.overlap_slowdown
-    costs = chunk_costs(shape, layout, hardware, value_bytes, stage_layers, head_on_last_stage)
+    costs = chunk_costs(shape, layout, hardware, value_bytes, stage_layers, head_on_last_stage, flash_attention,
+                        dropout, sequence_parallel)
     tp_cost, forward, backward = _passes(costs, overlap_tp and tp_in_node(hardware, layout.tp), slowdown)
     ranks = [(sum(forward[c] for c in layout.chunks_of(r)), sum(backward[c] for c in layout.chunks_of(r)))
              for r in range(p)]
@@ -278,13 +290,31 @@ def predict_step(shape: Any, layout: Layout, global_batch: int, hardware: Hardwa
         dp_s, zero_s = _data_parallel(shape, layout, hardware, m, forward, backward, ranks, placed, total,
                                       value_bytes, gradient_bytes, overlap_dp, overlap_gather, stage_layers, costs,
                                       balanced=not head_on_last_stage, reshard=reshard_after_forward)
+    optimizer_s = _optimizer_s(shape, layout, hardware, gradient_bytes, stage_layers)
     return StepTime(layout, m, compute_s, tp_s, without_sends - own, total - without_sends, dp_s, zero_s,
-                    ranks[bound][0], ranks[bound][1], cp_s, ep_s)
+                    ranks[bound][0], ranks[bound][1], cp_s, ep_s, optimizer_s)
+
+
+def _optimizer_s(shape: Any, layout: Layout, hardware: Hardware, gradient_bytes: int,
+                 stage_layers: tuple[int, ...] | None) -> float:
+    """Adam's step on the pipeline rank that updates the most parameters: its dense parameters over ``t`` (and
+    over the ``dp x cp`` replicas under ZeRO), its routed experts over ``ep`` (and the ``dp cp / ep`` ranks
+    holding the same ones); 0 without ``hardware.kernels``."""
+    if hardware.kernels is None:
+        return 0.0
+    shards = layout.replicas if layout.zero >= 1 else 1
+    expert_shards = layout.replicas // layout.ep if layout.zero >= 1 else 1
+    experts = rank_expert_parameters(shape, layout, stage_layers)
+    most = max((total - routed) / (layout.tp * shards) + routed / (layout.ep * expert_shards)
+               for total, routed in zip(rank_parameters(shape, layout, stage_layers), experts, strict=True))
+    return optimizer_time(hardware.kernels, most, gradient_bytes)
 
 
 def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardware, value_bytes: int = 2,
                 gradient_bytes: int | None = None, overlap_dp: bool = True, overlap_gather: bool = False,
-                overlap_tp: bool = False, sequence_parallel: bool = True) -> float:
+                overlap_tp: bool = False, sequence_parallel: bool = True,
+                stage_layers: tuple[int, ...] | None = None, flash_attention: bool = True, dropout: bool = False
+                ) -> float:
     """What :func:`predict_step` (same arguments) can give no less than, without placing the schedule: for each
     rank, the first micro-batch's forward through the ranks before it, its own work over the step, and the last
     micro-batch's backward back through them, each crossing a send (ZB-H1's weight gradients may wait: no way
@@ -292,7 +322,8 @@ def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
     pass), each pass with its TP all-reduces as :func:`predict_step` prices them; and the least the DP reduction
     and ZeRO's gathers can add.  The planner simulates only layouts whose bound beats its ``top``-th best step."""
     p, m = layout.pp, global_batch // (layout.dp * layout.micro_batch)
-    costs = chunk_costs(shape, layout, hardware, value_bytes)
+    costs = chunk_costs(shape, layout, hardware, value_bytes, stage_layers, True, flash_attention, dropout,
+                        sequence_parallel)
     chunks = layout.chunks
     _, forward, backward = _passes(costs, overlap_tp and tp_in_node(hardware, layout.tp), hardware.overlap_slowdown)
     ranks = [(sum(forward[c] for c in layout.chunks_of(r)), sum(backward[c] for c in layout.chunks_of(r)))
@@ -309,8 +340,10 @@ def lower_bound(shape: Any, layout: Layout, global_batch: int, hardware: Hardwar
     if layout.replicas > 1:
         gradient_bytes = value_bytes if gradient_bytes is None else gradient_bytes
         bound += sum(_data_parallel(shape, layout, hardware, m, forward, backward, ranks, None, bound, value_bytes,
-                                    gradient_bytes, overlap_dp, overlap_gather, None, costs, False, floor=True))
-    return bound
+                                    gradient_bytes, overlap_dp, overlap_gather, stage_layers, costs, False,
+                                    floor=True))
+    return bound + _optimizer_s(shape, layout, hardware, value_bytes if gradient_bytes is None else gradient_bytes,
+                                stage_layers)
 
 
 def _last_gradients(placed: Placement | None, rank: int, layout: Layout, total: float,

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 from labkit.costmodel.calibration import rank_correlation
 from labkit.costmodel.compute import GPUS, mfu, model_flops_per_step
+from labkit.costmodel.kernels import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, MEMORY_EFFICIENCY
 from labkit.costmodel.planner import PlanResult, plan
 from labkit.costmodel.published import (
     LLAMA3_405B,
@@ -80,21 +81,29 @@ FIT_SET = MEGATRON_WEAK_SCALING
 HELD_OUT = {"Narayanan et al. 2021 (A100)": NARAYANAN_2021,
             "Llama 3 405B (H100)": tuple(run for run in LLAMA3_405B if run.cp == 1)}
 UNSEEN = {"MosaicML FSDP (H100, unseen)": MOSAIC_FSDP}
-EFFICIENCY = 0.530  # fit_efficiency(FIT_SET), rounded to 0.001 (tests/test_costmodel_published.py refits it)
+# fit_kernels(FIT_SET), rounded to 0.01 (tests/test_costmodel_validation.py refits them): the matrices' efficiency,
+# and the three of labkit.costmodel.kernels.Kernels
+Efficiencies = tuple[float, float, float]  # (matrices, attention, memory): labkit.costmodel.kernels.Kernels
+EFFICIENCIES: Efficiencies = (GEMM_EFFICIENCY, ATTENTION_EFFICIENCY, MEMORY_EFFICIENCY)
+EFFICIENCY = 0.530  # fit_efficiency(FIT_SET): every FLOP at one efficiency (the model before the kernels'), to 0.001
+# The most of the peak a flash-attention kernel is allowed: FlashAttention-3's best on an H100, "up to 740 TFLOPs/s
+# (75% utilization)" (Shah et al. 2024, arXiv 2407.08608, abstract)
+ATTENTION_CEILING = 0.75
 # One-sided 5 % critical values of Spearman's rho (Zar 1972, "Significance testing of the Spearman rank
 # correlation coefficient", JASA 67, table 1: exact for n <= 10)
 SPEARMAN_CRITICAL = {9: 0.600, 10: 0.564, 20: 0.380}
 AGREEMENT_MARGIN = 0.05
 
 
-def predict(run: PublishedRun, efficiency: float = EFFICIENCY) -> tuple[StepTime, float]:
+def predict(run: PublishedRun, efficiency: float | Efficiencies = EFFICIENCY
+            ) -> tuple[StepTime, float]:
     """labkit's predicted step of ``run`` at its published layout, run as it was run, and the MFU it implies."""
     step = predict_step(run.shape(), run.layout(), run.global_batch, run.cluster(efficiency).hardware(),
                         overlap_dp=run.overlap_dp, stage_layers=run.stage_layers, **run.step_options())
     return step, mfu(run.model_flops(), step.step_s, run.gpus, GPUS[run.gpu].peak_bf16_flops)
 
 
-def squared_error(efficiency: float, runs: Iterable[PublishedRun]) -> float:
+def squared_error(efficiency: float | Efficiencies, runs: Iterable[PublishedRun]) -> float:
     """The sum over ``runs`` of (predicted MFU - measured MFU)^2."""
     return sum((predict(run, efficiency)[1] - run.model_mfu) ** 2 for run in runs)
 
@@ -117,6 +126,30 @@ def fit_efficiency(runs: Iterable[PublishedRun], low: float = 0.3, high: float =
             b = low + ratio * (high - low)
             error_b = squared_error(b, runs)
     return (low + high) / 2
+
+
+def fit_kernels(runs: Iterable[PublishedRun], start: Efficiencies = (0.6, 0.5, 0.5), step: float = 0.1,
+                tolerance: float = 0.002) -> Efficiencies:
+    """The least-squares ``(matrices, attention, memory)`` efficiencies over ``runs``: a pattern search from
+    ``start``, each efficiency moved by ``step`` up and down while that lowers the error, ``step`` halved when
+    none does, until it is under ``tolerance``.  Each stays in ``(0, 1]``, attention's at most
+    :data:`ATTENTION_CEILING`."""
+    runs = list(runs)
+    ceilings = (1.0, ATTENTION_CEILING, 1.0)
+    best = tuple(start)
+    error = squared_error(best, runs)
+    while step >= tolerance:
+        moved = False
+        for index in range(3):
+            for sign in (1, -1):
+                trial = list(best)
+                trial[index] = min(ceilings[index], max(tolerance, trial[index] + sign * step))
+                candidate = squared_error(tuple(trial), runs)
+                if candidate < error:
+                    best, error, moved = tuple(trial), candidate, True
+        if not moved:
+            step /= 2
+    return best  # type: ignore[return-value]
 
 
 def _rms(errors: Sequence[float]) -> float:
@@ -175,7 +208,7 @@ class Score:
         return self.rms < self.hardware_constant_rms
 
 
-def score(name: str, runs: Sequence[PublishedRun], efficiency: float = EFFICIENCY,
+def score(name: str, runs: Sequence[PublishedRun], efficiency: float | Efficiencies = EFFICIENCY,
           fit_mean: float | None = None) -> Score:
     """``runs`` predicted at ``efficiency``, beside the baselines built on ``fit_mean`` (default the fit set's
     mean measured MFU)."""
@@ -185,12 +218,12 @@ def score(name: str, runs: Sequence[PublishedRun], efficiency: float = EFFICIENC
                  tuple(mean * executed_ratio(run) for run in runs))
 
 
-def held_out(efficiency: float = EFFICIENCY) -> list[Score]:
+def held_out(efficiency: float | Efficiencies = EFFICIENCY) -> list[Score]:
     """Each held-out set, scored (module docstring)."""
     return [score(name, runs, efficiency) for name, runs in HELD_OUT.items()]
 
 
-def unseen(efficiency: float = EFFICIENCY) -> Score:
+def unseen(efficiency: float | Efficiencies = EFFICIENCY) -> Score:
     """The unseen set, scored (module docstring)."""
     (name, runs), = UNSEEN.items()
     return score(name, runs, efficiency)
@@ -240,7 +273,7 @@ class StrongScaling:
         return self.measured[0] - self.measured[-1]
 
 
-def strong_scaling(efficiency: float = EFFICIENCY) -> StrongScaling:
+def strong_scaling(efficiency: float | Efficiencies = EFFICIENCY) -> StrongScaling:
     """Each point of the README's strong-scaling figure predicted at the model table's 177B layout
     (:func:`~labkit.costmodel.published.strong_scaling_run`), beside the fit set's mean MFU."""
     predicted = [predict(strong_scaling_run(point), efficiency) for point in MEGATRON_STRONG_SCALING]
@@ -273,6 +306,19 @@ def leave_one_out(runs: Sequence[PublishedRun] = FIT_SET, spread: float = 0.04, 
             raise ValueError(f"leaving out {run.name}, the fit reached the edge of the grid: widen spread")
         predicted.append(predict(run, fitted)[1])
         constant.append(sum(runs[k].model_mfu for k in others) / len(others))
+    return Score("leave-one-out on the fit set", tuple(runs), tuple(predicted),
+                 tuple(run.model_mfu for run in runs), tuple(constant),
+                 tuple(c * executed_ratio(run) for c, run in zip(constant, runs, strict=True)))
+
+
+def leave_one_out_kernels(runs: Sequence[PublishedRun] = FIT_SET) -> Score:
+    """Each of ``runs`` predicted with the efficiencies fitted on the others (:func:`fit_kernels`, started from
+    the whole set's fit), beside the others' mean."""
+    predicted, constant = [], []
+    for index, run in enumerate(runs):
+        others = [other for k, other in enumerate(runs) if k != index]
+        predicted.append(predict(run, fit_kernels(others, EFFICIENCIES, step=0.02))[1])
+        constant.append(sum(other.model_mfu for other in others) / len(others))
     return Score("leave-one-out on the fit set", tuple(runs), tuple(predicted),
                  tuple(run.model_mfu for run in runs), tuple(constant),
                  tuple(c * executed_ratio(run) for c, run in zip(constant, runs, strict=True)))
@@ -316,7 +362,7 @@ class Agreement:
         return self.same or (self.slower is not None and self.slower <= AGREEMENT_MARGIN)
 
 
-def planner_agreement(run: PublishedRun, efficiency: float = EFFICIENCY, **choices) -> Agreement:
+def planner_agreement(run: PublishedRun, efficiency: float | Efficiencies = EFFICIENCY, **choices) -> Agreement:
     """Plan ``run``'s model, GPUs and batch with its study's options (:data:`NARAYANAN_OPTIONS` by default) and
     run as it was run; then the same search restricted to the published ``(t, p)``."""
     options = (NARAYANAN_OPTIONS | choices) if choices or run in NARAYANAN_2021 else choices
