@@ -12,8 +12,17 @@ thread each), what :class:`labkit.costmodel.calibration.Calibration` holds:
   again), as cores' worth of compute they get together, and how much longer than their mean the slowest of
   ``g`` of them takes when all start together (``straggle``);
 - **links**: the gloo ring step's alpha-beta with every rank sending at once, and an all-reduce between pairs
-  of ranks while every rank computes around it (as tensor parallelism's are);
+  of ranks while every rank computes around it (as tensor parallelism's are); each held below the rate at which
+  one thread copies the largest message (``copy_bytes_per_s``, :func:`labkit.measure.measure_copy_bandwidth`);
 - **optimizer**: AdamW's step, seconds per parameter.
+
+A link's fit reads its bandwidth off the slope of time against message size, and on 8 ranks sharing 2 cores
+the noise can flatten that slope: a fit once read a 437 GB/s gloo link on a machine that copies memory at 8.7
+GB/s, and lesson 11's 30 % gate on the 3D predictions could then pass through a wrong constant.  A loopback send
+copies each byte at least twice (sender to kernel, kernel to receiver), so it cannot beat one copy: a fit faster
+than the copy, or one whose times do not grow with the size, is measured again (``ATTEMPTS`` times in all, each
+refusal a warning), and a calibration whose links never come out physical raises ``ValueError`` rather than
+save a constant known to be wrong.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import numpy
@@ -30,20 +40,62 @@ import torch
 import torch.distributed as torch_dist
 
 from labkit.costmodel.calibration import Calibration
-from labkit.costmodel.collectives import fit_alpha_beta
+from labkit.costmodel.collectives import LinkModel, fit_alpha_beta
 from labkit.costmodel.compute import model_flops_per_step
 from labkit.costmodel.shapes import TransformerShape
 from labkit.launch import launch
-from labkit.measure import measure_alpha_beta, time_step
+from labkit.measure import measure_alpha_beta, measure_copy_bandwidth, time_step
 from labkit.models import GPTConfig, TinyGPT
 
+# How many times a link is measured before a fit above the copy bandwidth (or a flat one) is refused for good.
+ATTEMPTS = 3
 
-def _calibration_job(link_sizes: tuple[int, ...], preset: str, micro_batch: int, repeats: int) -> dict:
+
+def _until_physical(measure: Callable[[], LinkModel], refused: list[str]) -> LinkModel | None:
+    """``measure()`` again while its fit is refused (every rank fits the same times, so all retry together),
+    ``ATTEMPTS`` times at most; each refusal's message is kept in ``refused``; ``None`` if all were refused."""
+    for _ in range(ATTEMPTS):
+        try:
+            return measure()
+        except ValueError as error:
+            refused.append(str(error))
+    return None
+
+
+def _loaded_all_reduce(sizes: tuple[int, ...], a: torch.Tensor, b: torch.Tensor, repeats: int,
+                       pair: torch_dist.ProcessGroup | None, ceiling: float) -> LinkModel:
+    """An all-reduce among pairs while every rank computes between them (as tensor parallelism does): its cost
+    is the loop's time beyond the same loop without it (``sizes[0] == 0``), warmed up, the sizes interleaved
+    over three rounds, each rank's medians averaged over the ranks (so every rank fits the same times)."""
+    loops: dict[int, list[float]] = {nbytes: [] for nbytes in sizes}
+    for round_ in range(4):
+        for nbytes in sizes:
+            message = torch.zeros(max(1, nbytes // 4))
+            torch_dist.barrier()
+            start = time.perf_counter()
+            for _ in range(4 * repeats):
+                torch.mm(a, b)
+                if nbytes and pair is not None:
+                    torch_dist.all_reduce(message, group=pair)
+            if round_:  # the first round warms up
+                loops[nbytes].append((time.perf_counter() - start) / (4 * repeats))
+    torch_dist.barrier()
+    baseline = statistics.median(loops[0])
+    extra = torch.tensor([statistics.median(loops[n]) - baseline for n in sizes[1:]], dtype=torch.float64)
+    torch_dist.all_reduce(extra)
+    extra /= torch_dist.get_world_size()
+    return fit_alpha_beta(list(sizes[1:]), [max(1e-9, float(e)) for e in extra], ceiling)
+
+
+def _calibration_job(link_sizes: tuple[int, ...], preset: str, micro_batch: int, repeats: int,
+                     ceiling: float) -> dict:
     """On each launched rank: the ring step's alpha-beta, the compute curve, the stragglers, the loaded
-    all-reduce."""
+    all-reduce; each link below ``ceiling`` bytes per second (measured again while it is not)."""
     torch.set_num_threads(1)
     rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
-    ring = measure_alpha_beta(link_sizes, iterations=5, pattern="ring")
+    refused: list[str] = []
+    ring = _until_physical(lambda: measure_alpha_beta(link_sizes, iterations=5, pattern="ring",
+                                                      max_bandwidth_bytes_per_s=ceiling), refused)
     # compute: n ranks run the same forward+backward at once while the others wait in a barrier (asleep)
     config = GPTConfig.preset(preset, tie_weights=False)
     model = TinyGPT(config, seed=0)
@@ -68,31 +120,12 @@ def _calibration_job(link_sizes: tuple[int, ...], preset: str, micro_batch: int,
         mine, everyone = torch.tensor([time.perf_counter() - start]), [torch.zeros(1) for _ in range(world)]
         torch_dist.all_gather(everyone, mine)
         rounds.append([float(seconds) for seconds in everyone])
-    # an all-reduce among pairs while every rank computes between them (as tensor parallelism does): its cost
-    # is the loop's time beyond the same loop without it (warmed up, the sizes interleaved over three rounds)
     pairs = [torch_dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
     pair = pairs[rank // 2] if rank < 2 * len(pairs) else None
     a, b = torch.randn(4 * config.block_size, config.n_embd), torch.randn(config.n_embd, 4 * config.n_embd)
     sizes = (0, *link_sizes[-2:])  # the largest two: tensor parallelism's activations are 0.1 to a few MB
-    loops: dict[int, list[float]] = {nbytes: [] for nbytes in sizes}
-    for round_ in range(4):
-        for nbytes in sizes:
-            message = torch.zeros(max(1, nbytes // 4))
-            torch_dist.barrier()
-            start = time.perf_counter()
-            for _ in range(4 * repeats):
-                torch.mm(a, b)
-                if nbytes and pair is not None:
-                    torch_dist.all_reduce(message, group=pair)
-            if round_:  # the first round warms up
-                loops[nbytes].append((time.perf_counter() - start) / (4 * repeats))
-    torch_dist.barrier()
-    baseline = statistics.median(loops[0])
-    extra = torch.tensor([statistics.median(loops[n]) - baseline for n in sizes[1:]], dtype=torch.float64)
-    torch_dist.all_reduce(extra)
-    extra /= world
-    return {"ring": (ring.alpha_s, ring.beta_s_per_byte), "curve": curve, "rounds": rounds,
-            "loaded": fit_alpha_beta(list(sizes[1:]), [max(1e-9, float(e)) for e in extra])}
+    loaded = _until_physical(lambda: _loaded_all_reduce(sizes, a, b, repeats, pair, ceiling), refused)
+    return {"ring": ring, "curve": curve, "rounds": rounds, "loaded": loaded, "refused": refused}
 
 
 def _fit_compute(config: GPTConfig, micro_batches: tuple[int, ...], repeats: int,
@@ -149,12 +182,22 @@ def calibrate(preset: str = "1m", micro_batches: tuple[int, ...] = (1, 2, 4, 8),
         steps = numpy.diff(stamps).tolist()
         parameters = sum(parameter.numel() for parameter in model.parameters())
         say(f"optimizer: AdamW {1e3 * statistics.median(steps[1:]):.1f} ms for {parameters:,} parameters")
+        copy = measure_copy_bandwidth(max(link_sizes), repeats=2 * repeats + 1)
+        say(f"memory: one thread copies a {max(link_sizes):,}-byte message at {copy / 1e9:.1f} GB/s, the ceiling "
+            "on the links (a loopback send copies each byte at least twice)")
     finally:
         torch.set_num_threads(threads)
     say(f"compute: {ranks} ranks at once (micro-batch {micro_batches[len(micro_batches) // 2]}) ...")
-    job = launch(_calibration_job, link_sizes, preset, micro_batches[len(micro_batches) // 2], repeats,
+    job = launch(_calibration_job, link_sizes, preset, micro_batches[len(micro_batches) // 2], repeats, copy,
                  nprocs=ranks, backend="gloo", timeout=300.0, rank_output="none")[0]
-    (alpha, beta), loaded, curve = job["ring"], job["loaded"], job["curve"]
+    for refusal in job["refused"]:
+        say(f"links: REFUSED, measured again: {refusal}")
+        warnings.warn(f"calibrate: a link's fit was refused and the link measured again: {refusal}", stacklevel=2)
+    if job["ring"] is None or job["loaded"] is None:
+        raise ValueError(f"the gloo links' fit stayed unphysical after {ATTEMPTS} measurements (one thread copies "
+                         f"{copy / 1e9:.1f} GB/s, which no loopback send can beat); the last refusal: "
+                         f"{job['refused'][-1]}")
+    ring, loaded, curve = job["ring"], job["loaded"], job["curve"]
     levels = sorted(curve)
     measured = {n: n * curve[1] / curve[n] for n in levels}  # cores' worth of compute n busy ranks get
     throughput = numpy.interp(range(1, ranks + 1), levels, [measured[n] for n in levels]).tolist()
@@ -163,9 +206,12 @@ def calibrate(preset: str = "1m", micro_batches: tuple[int, ...] = (1, 2, 4, 8),
                                  for k in range(0, ranks - g + 1, g)) for g in range(1, ranks + 1)]
     say("compute: the slowest of g ranks over their mean: " + ", ".join(
         f"g={g} {straggle[g - 1]:.2f}x" for g in (2, 4, ranks) if g <= ranks))
-    say(f"links: gloo ring step over {ranks} ranks: alpha {1e6 * alpha:.0f} us, {1 / beta / 1e9:.2f} GB/s; "
+    say(f"links: gloo ring step over {ranks} ranks: alpha {1e6 * ring.alpha_s:.0f} us, "
+        f"{ring.bandwidth_bytes_per_s / 1e9:.2f} GB/s; "
         f"an all-reduce of 2 ranks among {ranks} computing: alpha {1e6 * loaded.alpha_s:.0f} us, "
-        f"{1 / loaded.beta_s_per_byte / 1e9:.2f} GB/s")
-    return Calibration(flops, layer_overhead, alpha, beta, statistics.median(steps[1:]) / parameters,
+        f"{loaded.bandwidth_bytes_per_s / 1e9:.2f} GB/s (below the copy's {copy / 1e9:.1f} GB/s)")
+    return Calibration(flops, layer_overhead, ring.alpha_s, ring.beta_s_per_byte,
+                       statistics.median(steps[1:]) / parameters,
                        os.cpu_count() or 1, ranks, f"{platform.node()} ({platform.processor() or platform.machine()})",
-                       loaded.alpha_s, loaded.beta_s_per_byte, tuple(throughput), tuple(straggle), pass_overhead)
+                       loaded.alpha_s, loaded.beta_s_per_byte, tuple(throughput), tuple(straggle), pass_overhead,
+                       copy_bytes_per_s=copy)

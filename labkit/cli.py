@@ -2,9 +2,10 @@
 
 - ``labkit doctor [--quick | --no-calibrate]`` — what this machine offers (torch, backends, GPUs, CPUs) and a 2-rank
   gloo all-reduce as a smoke test.  The first thing to run when something is off.  Then it calibrates the cost
-  model (``labkit.calibrate.calibrate``: FLOP/s, the gloo links' alpha-beta, AdamW's step) and saves the constants
-  that lesson 11 predicts this machine's runs from (``labkit.costmodel.calibration``); ``--quick`` measures fewer
-  micro-batch sizes and repeats (``labkit.calibrate.QUICK``): faster, noisier constants.
+  model (``labkit.calibrate.calibrate``: FLOP/s, the gloo links' alpha-beta beside one thread's memory copy, their
+  ceiling, AdamW's step) and saves the constants that lesson 11 predicts this machine's runs from
+  (``labkit.costmodel.calibration``); ``--quick`` measures fewer micro-batch sizes and repeats
+  (``labkit.calibrate.QUICK``): faster, noisier constants.
 - ``labkit grade [--solutions] [--dir PATH] [--json]`` — score every exercise: a table for a person, JSON
   for an instructor's tooling.
 - ``labkit bench [--quick] [--report-only] [NAME ...]`` — run the benchmarks in ``benchmarks/`` (each compares a

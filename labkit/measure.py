@@ -15,7 +15,8 @@ weights that the matrix multiplications save *are* counted: they are extra memor
 backward pass.
 
 **Links.**  :func:`measure_alpha_beta` times messages between ranks and fits the alpha-beta model of
-``labkit.costmodel.collectives``; :func:`time_collectives` times whole collectives as NCCL-tests does.
+``labkit.costmodel.collectives``, below the ceiling :func:`measure_copy_bandwidth` puts on a loopback link;
+:func:`time_collectives` times whole collectives as NCCL-tests does.
 
 **Steps.**  :func:`time_step` gives the median time of one forward and backward, on a GPU after waiting for
 the device.
@@ -187,9 +188,34 @@ def measure_cuda_memory(fn: Callable[[], Any],
 # Links and collectives
 
 
+def measure_copy_bandwidth(nbytes: int = 1 << 20, repeats: int = 7) -> float:
+    """Bytes per second at which one thread copies ``nbytes`` (``Tensor.copy_``), the median of ``repeats``
+    timed batches of copies (each batch ~16 MiB of them, after one warm-up batch).
+
+    The ceiling on a loopback link (:func:`measure_alpha_beta` over gloo): a TCP send over loopback copies each
+    byte at least twice, from the sender's buffer into the kernel's socket buffer and from there into the
+    receiver's, each copy a memcpy on one core; even with the two copies overlapped on two cores, ``m`` bytes
+    take at least ``m / copy rate``.  Measured at the size of the messages timed, the buffer reused as theirs
+    are: a message that fits in the caches is copied at the caches' rate (on the reference machine 42 GB/s at
+    1 MiB, 9.7 GB/s at 64 MiB, which is memory's), and the bound must hold for it too.  The caller sets the
+    threads (:func:`labkit.calibrate.calibrate` runs it on one, as its ranks run)."""
+    if nbytes < 1 or repeats < 1:
+        raise ValueError(f"nbytes and repeats must be >= 1, got {nbytes!r} and {repeats!r}")
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    copies = max(1, (16 << 20) // nbytes)
+    samples = []
+    for _ in range(repeats + 1):  # the first is a warm-up: page faults, the caches filled
+        begin = time.perf_counter()
+        for _ in range(copies):
+            target.copy_(source)
+        samples.append((time.perf_counter() - begin) / copies)
+    return nbytes / statistics.median(samples[1:])
+
+
 def measure_alpha_beta(sizes: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22),
                        iterations: int = 10, group: torch_dist.ProcessGroup | None = None,
-                       pattern: str = "ring") -> LinkModel:
+                       pattern: str = "ring", max_bandwidth_bytes_per_s: float | None = None) -> LinkModel:
     """Fit the alpha-beta model to timed messages (call it on every rank; every rank returns the same fit).
 
     ``pattern="ring"`` times one *ring step*: every rank sends ``m`` bytes to its right neighbour while
@@ -199,7 +225,11 @@ def measure_alpha_beta(sizes: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1
     machine's CPUs (gloo over loopback) all ranks share the same cores and memory, so the ring's beta is larger
     and is the one that predicts a ring collective.
 
-    ``alpha`` and ``beta`` come from :func:`fit_alpha_beta` on the median times; rank 0's fit is broadcast.
+    Each of ``iterations`` rounds (after a warm-up round) sends every size once, in turn, so that a burst of
+    load from elsewhere slows one sample of each size rather than every sample of one; :func:`fit_alpha_beta`
+    fits rank 0's median per size, which every rank receives and fits alike.  ``max_bandwidth_bytes_per_s``:
+    the fit's ceiling (:func:`measure_copy_bandwidth` at the largest size); a fit above it, or flat, raises
+    the same ``ValueError`` on every rank.
     """
     if pattern not in ("ring", "ping-pong"):
         raise ValueError(f"pattern must be 'ring' or 'ping-pong', got {pattern!r}")
@@ -214,15 +244,14 @@ def measure_alpha_beta(sizes: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1
     def receive(tensor: torch.Tensor, peer: int) -> Any:
         return torch_dist.irecv(tensor, global_rank(group, peer), group=group)
 
-    fit = torch.zeros(2, dtype=torch.float64, device=device())
+    medians = torch.zeros(len(sizes), dtype=torch.float64, device=device())
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     if pattern == "ring" or rank in (0, 1):
-        times = []
-        for nbytes in sizes:
-            outgoing = torch.zeros(nbytes, dtype=torch.uint8, device=fit.device)
-            incoming = torch.empty_like(outgoing)
-            samples = []
-            for _ in range(iterations + 1):  # the first is a warm-up
+        buffers = [(torch.zeros(nbytes, dtype=torch.uint8, device=medians.device),
+                    torch.empty(nbytes, dtype=torch.uint8, device=medians.device)) for nbytes in sizes]
+        samples: list[list[float]] = [[] for _ in sizes]
+        for round_ in range(iterations + 1):  # the first round is a warm-up
+            for (outgoing, incoming), timed in zip(buffers, samples, strict=True):
                 begin = time.perf_counter()
                 if pattern == "ring":
                     arriving = receive(incoming, left)
@@ -236,13 +265,12 @@ def measure_alpha_beta(sizes: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1
                     send(outgoing, 0).wait()
                 if outgoing.is_cuda:  # under NCCL, wait() only orders streams; the clock needs the GPU done
                     torch.cuda.synchronize(outgoing.device)
-                samples.append((time.perf_counter() - begin) / (1 if pattern == "ring" else 2))
-            times.append(statistics.median(samples[1:]))
-        if rank == 0:
-            link = fit_alpha_beta(sizes, times)
-            fit = torch.tensor([link.alpha_s, link.beta_s_per_byte], dtype=torch.float64, device=fit.device)
-    torch_dist.broadcast(fit, src=global_rank(group, 0), group=group)
-    return LinkModel(alpha_s=float(fit[0]), beta_s_per_byte=float(fit[1]))
+                if round_:
+                    timed.append((time.perf_counter() - begin) / (1 if pattern == "ring" else 2))
+        medians = torch.tensor([statistics.median(timed) for timed in samples], dtype=torch.float64,
+                               device=medians.device)
+    torch_dist.broadcast(medians, src=global_rank(group, 0), group=group)
+    return fit_alpha_beta(sizes, medians.tolist(), max_bandwidth_bytes_per_s)
 
 
 def time_collectives(algorithms: dict[str, Callable[[torch.Tensor], object]], sizes: list[int],

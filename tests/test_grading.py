@@ -343,6 +343,9 @@ def test_labkit_doctor_runs_the_smoke_test_and_calibrates(tmp_path, monkeypatch)
     measured = load(tmp_path / "calibration.json")
     assert measured is not None and measured.ranks == 8 and 1e8 < measured.flops < 1e13
     assert f"saved to {tmp_path / 'calibration.json'}" in completed.stdout and "GFLOP/s" in completed.stdout
+    # the links printed beside the copy that bounds them (issue 41), and held below it
+    assert "below one thread's memory copy at" in completed.stdout
+    assert max(measured.link.bandwidth_bytes_per_s, measured.loaded_link.bandwidth_bytes_per_s) <= measured.copy_bytes_per_s
     skipped = _labkit("doctor", "--no-calibrate")
     assert skipped.returncode == 0 and "calibration" not in skipped.stdout
 

@@ -9,7 +9,11 @@ measured here, by :func:`labkit.calibrate.calibrate`:
   pass_overhead_s`` (times 1 for a forward, 2 for a backward): the FLOP rate of the matrices, the fixed cost of
   each layer's operations and that of a pass;
 - **links**: the alpha-beta of one ring step over gloo with ``ranks`` ranks sending at once
-  (:func:`labkit.measure.measure_alpha_beta`), the way the ring collectives load the loopback;
+  (:func:`labkit.measure.measure_alpha_beta`), the way the ring collectives load the loopback, and of an
+  all-reduce between two ranks amid compute; each below ``copy_bytes_per_s``, the rate at which one thread
+  copies the largest message timed (:func:`labkit.measure.measure_copy_bandwidth`): a loopback send copies each
+  byte at least twice, so a link fitted faster than one copy is noise read as a bandwidth, and is refused here
+  as in the fit;
 - **optimizer**: AdamW's step, seconds per parameter;
 - **cores**: the processor cores the ranks share (the simulator's processor sharing), the compute ``n`` busy
   ranks get from them together (``throughput``), and how much longer than their mean the slowest of ``g`` of
@@ -51,6 +55,7 @@ class Calibration:
     throughput: tuple[float, ...] = ()  # [n - 1]: the cores' worth of compute n busy ranks get together
     straggle: tuple[float, ...] = ()  # [g - 1]: the slowest of g of the busy ranks over their mean
     pass_overhead_s: float = 0.0  # fixed seconds per forward pass whatever its layers (twice per backward)
+    copy_bytes_per_s: float = 0.0  # one thread's copy of the largest message timed: no link is faster (0: unmeasured)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "throughput", tuple(self.throughput))  # JSON gives a list
@@ -58,9 +63,19 @@ class Calibration:
         if self.flops <= 0 or self.cores < 1 or self.ranks < 2:
             raise ValueError(f"a calibration needs flops > 0, cores >= 1 and ranks >= 2, got {self.flops!r}, "
                              f"{self.cores!r} and {self.ranks!r}")
-        if min(self.layer_overhead_s, self.pass_overhead_s, self.alpha_s, self.beta_s_per_byte,
-               self.optimizer_s_per_parameter) < 0:
-            raise ValueError(f"measured times must be >= 0, got {self}")
+        if min(self.layer_overhead_s, self.pass_overhead_s, self.alpha_s, self.loaded_alpha_s,
+               self.loaded_beta_s_per_byte, self.optimizer_s_per_parameter, self.copy_bytes_per_s) < 0:
+            raise ValueError(f"measured times and rates must be >= 0, got {self}")
+        loaded = self.loaded_alpha_s or self.loaded_beta_s_per_byte  # 0 and 0: not measured
+        if self.beta_s_per_byte <= 0 or (loaded and self.loaded_beta_s_per_byte <= 0):
+            raise ValueError(f"a link's seconds per byte must be > 0 (an infinite bandwidth is a flat fit, not a "
+                             f"link), got {self.beta_s_per_byte!r} and, amid compute, {self.loaded_beta_s_per_byte!r}")
+        for name, link in (("the gloo ring step", self.link), ("the all-reduce amid compute", self.loaded_link)):
+            if self.copy_bytes_per_s and link.bandwidth_bytes_per_s > self.copy_bytes_per_s:
+                raise ValueError(f"{name} at {link.bandwidth_bytes_per_s / 1e9:.1f} GB/s (beta "
+                                 f"{link.beta_s_per_byte:.3g} s/B) is faster than this machine copies memory "
+                                 f"({self.copy_bytes_per_s / 1e9:.1f} GB/s, one thread), which a loopback send "
+                                 "cannot be; run `labkit doctor` to measure it again")
 
     @property
     def link(self) -> LinkModel:
@@ -97,18 +112,22 @@ class Calibration:
         if self.straggle:
             shared += f", the slowest of {len(self.straggle)} {self.straggle[-1]:.2f}x their mean"
         loaded = self.loaded_link
+        copy = (f", both below one thread's memory copy at {self.copy_bytes_per_s / 1e9:.1f} GB/s (no loopback "
+                "send can beat it)" if self.copy_bytes_per_s else ", memory copy not measured (an older labkit's)")
         return (f"{self.flops / 1e9:.1f} GFLOP/s per rank (one thread) + {1e6 * self.layer_overhead_s:.0f} us per "
                 f"layer and {1e6 * self.pass_overhead_s:.0f} us per pass, forward; {self.cores} cores{shared}; "
                 f"gloo ring step alpha {1e6 * self.alpha_s:.0f} us, "
                 f"{1 / self.beta_s_per_byte / 1e9:.2f} GB/s ({self.ranks} ranks at once), amid compute alpha "
-                f"{1e6 * loaded.alpha_s:.0f} us, {1 / loaded.beta_s_per_byte / 1e9:.2f} GB/s; AdamW "
+                f"{1e6 * loaded.alpha_s:.0f} us, {1 / loaded.beta_s_per_byte / 1e9:.2f} GB/s{copy}; AdamW "
                 f"{1e9 * self.optimizer_s_per_parameter:.1f} ns per parameter")
 
 
 def average(calibrations: list[Calibration]) -> Calibration:
     """One machine's calibrations, measured around a run (before it and after), as one: each time constant's
-    mean (the FLOP rate's harmonic mean: it is a time per FLOP that adds up), the curves point by point.  A
-    machine whose speed drifts while the run is timed is then predicted at the speed of the whole window."""
+    mean (the FLOP rate's harmonic mean: it is a time per FLOP that adds up; the copy rate's mean over those
+    that measured it), the curves point by point.  A machine whose speed drifts while the run is timed is then
+    predicted at the speed of the whole window.  Each link stays below the copy rate: the mean of betas each
+    at least ``1/copy`` is at least the mean of ``1/copy``, which is at least ``1/mean(copy)``."""
     if not calibrations:
         raise ValueError("average needs at least one calibration")
     values = {}
@@ -116,6 +135,8 @@ def average(calibrations: list[Calibration]) -> Calibration:
         measured = [getattr(calibration, item.name) for calibration in calibrations]
         if item.name == "flops":
             values[item.name] = statistics.harmonic_mean(measured)
+        elif item.name == "copy_bytes_per_s":
+            values[item.name] = statistics.fmean([rate for rate in measured if rate] or [0.0])
         elif isinstance(measured[0], float):
             values[item.name] = statistics.fmean(measured)
         elif isinstance(measured[0], tuple) and all(len(m) == len(measured[0]) for m in measured):

@@ -21,6 +21,8 @@ tree all-reduce        ``2 ceil(log2 N)``  up ``n``, then the broadcast     twic
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -151,26 +153,49 @@ def bus_bandwidth(nbytes: int, seconds: float, world_size: int, collective: str 
     return nbytes / seconds * _BUS_FACTORS[collective](world_size)
 
 
-def fit_alpha_beta(sizes: list[int] | tuple[int, ...], seconds: list[float]) -> LinkModel:
+def fit_alpha_beta(sizes: list[int] | tuple[int, ...], seconds: Sequence[float | Sequence[float]],
+                   max_bandwidth_bytes_per_s: float | None = None) -> LinkModel:
     """The alpha-beta line through measured ``(message bytes, seconds)`` points.
 
-    Least squares weighted by ``1/time``, so small messages (which pin down alpha) count as much as large
-    ones (which pin down beta).  Noise can tilt the line: a negative alpha is clipped to 0, and if the slope
-    comes out non-positive (the size dependence drowned in noise — a busy machine) the fit falls back to the
-    two-point estimate ``alpha = fastest time``, ``beta = (largest message's time - alpha) / its size``.
+    ``seconds[i]`` is the time at ``sizes[i]``: one number, or repeated samples of it, of which the median is
+    fitted (a sample slowed by a burst of load elsewhere moves a median little and a mean a lot).  Least squares
+    weighted by ``1/time``, so small messages (which pin down alpha) count as much as large ones (which pin down
+    beta).  A negative alpha is no latency: it is clipped to 0.
+
+    Noise can flatten the line: when the size dependence drowns in it (a busy machine), the slope comes out
+    near zero or below, and ``1/beta`` reads as an absurd bandwidth.  ``max_bandwidth_bytes_per_s`` is the
+    ceiling no link can pass (:func:`labkit.calibrate.calibrate` gives the rate at which one thread copies a
+    message as large as the largest here: a loopback send copies each byte at least twice); given one, a fit
+    above it, or a slope of zero or less, raises ``ValueError`` naming the times and the fit.  Without one, a
+    non-positive slope falls back to the two-point estimate ``alpha = fastest time``, ``beta = (largest
+    message's time - alpha) / its size`` (at least a thousandth of its time), which benchmarks print as a
+    rough figure.
     """
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError(f"need at least two (size, seconds) points of equal count, got {len(sizes)} and "
                          f"{len(seconds)}")
-    times = torch.tensor(seconds, dtype=torch.float64)
+    medians = [float(statistics.median(value)) if isinstance(value, Sequence) else float(value) for value in seconds]
+    times = torch.tensor(medians, dtype=torch.float64)
     if not bool((times > 0).all()):
         raise ValueError(f"seconds must all be positive, got {list(seconds)}")
     weights = 1.0 / times
     design = torch.stack([torch.ones_like(times), torch.tensor(sizes, dtype=torch.float64)], dim=1)
-    alpha, beta = torch.linalg.lstsq(design * weights[:, None], (times * weights)[:, None]).solution.flatten()
-    alpha, beta = max(float(alpha), 0.0), float(beta)
-    if beta <= 0:
+    alpha, beta = (float(value) for value in torch.linalg.lstsq(
+        design * weights[:, None], (times * weights)[:, None]).solution.flatten())
+    measured = ", ".join(f"{size:,} B {1e6 * time:.1f} us" for size, time in zip(sizes, medians, strict=True))
+    if max_bandwidth_bytes_per_s is not None:
+        if beta <= 0:
+            raise ValueError(f"the link's times do not grow with the message size ({measured}; fitted slope "
+                             f"{beta:.3g} s/B): the size dependence drowned in noise, so no bandwidth can be read "
+                             "from them; measure again on a quieter machine")
+        if 1 / beta > max_bandwidth_bytes_per_s:
+            raise ValueError(f"a link fitted at {1 / beta / 1e9:.1f} GB/s (alpha {1e6 * alpha:.1f} us, beta "
+                             f"{beta:.3g} s/B, from {measured}) is above {max_bandwidth_bytes_per_s / 1e9:.1f} GB/s, the "
+                             "fastest this machine copies such a message, which a loopback send (each byte "
+                             "copied at least twice) cannot beat: the slope is noise, not a link; measure again "
+                             "on a quieter machine")
+    elif beta <= 0:
         largest = max(range(len(sizes)), key=lambda index: sizes[index])
         alpha = float(times.min())
         beta = max(float(times[largest]) - alpha, float(times[largest]) * 1e-3) / max(sizes[largest], 1)
-    return LinkModel(alpha_s=alpha, beta_s_per_byte=beta)
+    return LinkModel(alpha_s=max(alpha, 0.0), beta_s_per_byte=beta)
