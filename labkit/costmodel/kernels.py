@@ -121,16 +121,17 @@ class Kernels:
         return flops / (self.attention_efficiency * self.peak_flops * self.fill(blocks))
 
 
-def flash_attention_flops(seq_len: float, qk_dim: float, v_dim: float, causal: bool = True,
-                          kv_len: float | None = None) -> float:
-    """Forward FLOPs of a flash kernel for one sequence and head: ``2 x 128 x 128 x (d_qk + d_v)`` per tile
-    computed, every tile of ``ceil(s / 128) x ceil(kv / 128)`` without the mask, the ``n (n + 1) / 2`` on or
-    below the diagonal with it (queries and keys aligned at the start: the same sequence)."""
-    rows = math.ceil(seq_len / ATTENTION_BLOCK)
-    columns = rows if kv_len is None else math.ceil(kv_len / ATTENTION_BLOCK)
-    tiles = rows * (rows + 1) / 2 if causal and kv_len is None else rows * columns
-    per_tile = 2 * min(ATTENTION_BLOCK, seq_len) * min(ATTENTION_BLOCK, kv_len or seq_len) * (qk_dim + v_dim)
-    return tiles * per_tile
+def flash_attention_flops(seq_len: int, qk_dim: int, v_dim: int, causal: bool = True, kv_len: int | None = None,
+                          block: int = ATTENTION_BLOCK) -> float:
+    """Forward FLOPs of a flash kernel for one sequence and head: ``2 x block x block x (d_qk + d_v)`` per tile
+    computed (a tile at the sequence's end as long as what is left), every tile of ``ceil(s / block) x
+    ceil(kv / block)`` without the mask, those on or below the diagonal with it (queries and keys aligned at the
+    start: the same sequence, ``n (n + 1) / 2`` tiles for ``n`` blocks)."""
+    if not causal or kv_len is not None:
+        return 2 * seq_len * (seq_len if kv_len is None else kv_len) * (qk_dim + v_dim)
+    whole, rest = divmod(seq_len, block)  # n whole blocks, and a last one of what is left
+    pairs = block * block * whole * (whole + 1) / 2 + rest * seq_len  # block i sees blocks 0 .. i, whole
+    return 2 * pairs * (qk_dim + v_dim)
 
 
 def elementwise_bytes(shape: Any, tokens: float, tp: int, sequence_parallel: bool, dropout: bool,
