@@ -93,6 +93,7 @@ ATTENTION_CEILING = 0.75
 # correlation coefficient", JASA 67, table 1: exact for n <= 10)
 SPEARMAN_CRITICAL = {9: 0.600, 10: 0.564, 20: 0.380}
 AGREEMENT_MARGIN = 0.05
+WITHIN_POINTS = 5.0  # a prediction "within 5 points" of the measured MFU (issue 41's target: 70 % of the rows)
 
 
 def predict(run: PublishedRun, efficiency: float | Efficiencies = EFFICIENCY
@@ -198,6 +199,11 @@ class Score:
     def orders_the_runs(self) -> bool:
         rho, critical = self.rank_correlation, self.critical
         return rho is not None and critical is not None and rho >= critical
+
+    def within(self, points: float = WITHIN_POINTS) -> float:
+        """The share of the rows predicted within ``points`` MFU points of their measurement."""
+        return sum(abs(p - m) <= points / 100 for p, m in zip(self.predicted, self.measured, strict=True)) \
+            / len(self.runs)
 
     @property
     def beats_constant(self) -> bool:
