@@ -169,10 +169,8 @@ class PublishedRun:
     for 408.8, 5 for 430).  ``global_batch`` counts sequences of ``seq_len``.  ``flash_attention`` and
     ``dropout`` go to the memory model; ``gradient_bytes`` (4: accumulated and reduced in fp32) to both;
     ``overlap_gather`` (ZeRO-1/2's gather of the weights behind the next forward), ``overlap_tp``,
-    ``overlap_dp`` and ``stage_layers`` (each pipeline chunk's layers, where not even) to the step model.  Recorded
-    for the later sets and read by no model yet: ``recompute_mode`` as the source names it (``"full"`` is
-    ``recompute``), ``sequence_parallel``, ``step_s`` and ``tokens_per_s_per_gpu`` as printed, ``compiled``,
-    ``float8``."""
+    ``overlap_dp`` and ``stage_layers`` (each pipeline chunk's layers, where not even) to the step model.  As
+    printed, read by no model yet: ``recompute_mode``, ``sequence_parallel``, ``step_s``, ``tokens_per_s_per_gpu``."""
 
     name: str
     source: str
