@@ -86,6 +86,21 @@ GPUS = {
                      3.35e12, 132),
     "H200 141GB": GPU("H200 141GB", 141e9, 989e12, 450e9, 50e9, 8, "NVIDIA H200 datasheet (H100's compute)",
                       4.8e12, 132),
+    # H800 SXM: the H100's compute, HBM and SMs, NVLink cut to 400 GB/s total (200 each way); DeepSeek-V3's nodes:
+    # 8 GPUs, one 400 Gb/s InfiniBand NIC a GPU; DeepSeek measured 160 GB/s over NVLink, 50 GB/s over IB
+    "H800 80GB": GPU("H800 80GB", 80e9, 989e12, 200e9, 50e9, 8, "NVIDIA H800 SXM5 datasheet (H100's compute, NVLink "
+                     "400 GB/s); DeepSeek-AI, DeepSeek-V3 Technical Report, arXiv 2412.19437, section 3.1",
+                     3.35e12, 132),
+    # torchtitan's benchmark H100s (Meta's Grand Teton): 96 GB of HBM2e at 2.4 TB/s, 500 W; NVIDIA gives no peak
+    # for this part ("between SXM and NVL"): torchtitan prices its MFU at the SXM's 989 TFLOP/s, and so does this
+    # preset, with the SXM's 132 SMs (assumed: torchtitan calls it an SXM H100)
+    "H100 96GB HBM2e": GPU("H100 96GB HBM2e", 96e9, 989e12, 450e9, 50e9, 8, "pytorch/torchtitan, benchmarks/"
+                           "llama3_h100_202412_torchtitan.md: 8 GPUs a host on NVLink, 400 Gb/s RDMA a GPU",
+                           2.4e12, 132),
+    # BLOOM's Jean Zay A100 nodes: 8 GPUs on NVLink, 4 Omni-Path links (100 Gb/s each) a node, 6.25 GB/s a GPU
+    "A100 80GB (Omni-Path)": GPU("A100 80GB (Omni-Path)", 80e9, 312e12, 300e9, 6.25e9, 8,
+                                 "bigscience-workshop/bigscience, train/tr11-176B-ml/README.md 'Hardware'; Intel "
+                                 "Omni-Path: 100 Gb/s a port", 2039e9, 108),
 }
 
 

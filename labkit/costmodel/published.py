@@ -156,6 +156,7 @@ NARAYANAN_PAPER = ("Narayanan et al., 'Efficient Large-Scale Language Model Trai
                    "Megatron-LM', SC21, arXiv 2104.04473, https://arxiv.org/abs/2104.04473")
 H100, A100 = "H100 80GB", "A100 80GB"
 ARCHITECTURES = ("gpt", "llama")
+RECOMPUTE_MODES = ("none", "full", "selective", "selective op", "selective layer")
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,8 @@ class PublishedRun:
     for 408.8, 5 for 430).  ``global_batch`` counts sequences of ``seq_len``.  ``flash_attention`` and
     ``dropout`` go to the memory model; ``gradient_bytes`` (4: accumulated and reduced in fp32) to both;
     ``overlap_gather`` (ZeRO-1/2's gather of the weights behind the next forward), ``overlap_tp``,
-    ``overlap_dp`` and ``stage_layers`` (each pipeline chunk's layers, where not even) to the step model."""
+    ``overlap_dp`` and ``stage_layers`` (each pipeline chunk's layers, where not even) to the step model.  As
+    printed, read by no model yet: ``recompute_mode``, ``sequence_parallel``, ``step_s``, ``tokens_per_s_per_gpu``."""
 
     name: str
     source: str
@@ -185,7 +187,7 @@ class PublishedRun:
     global_batch: int
     tflops_per_gpu: float
     tflops_resolution: float
-    mfu: float
+    mfu: float | None  # None where the source prints none
     cp: int = 1
     ffn_hidden_size: int | None = None
     num_kv_heads: int | None = None
@@ -205,8 +207,18 @@ class PublishedRun:
     recompute: bool = False
     tied_embeddings: bool = False
     hardware_flops: bool = False
+    learned_positions: bool = True  # a GPT's position table (False: ALiBi, as BLOOM)
+    recompute_mode: str = ""  # "", or one of RECOMPUTE_MODES
+    sequence_parallel: bool = False
+    step_s: float | None = None
+    tokens_per_s_per_gpu: float | None = None
+    compiled: bool = False  # torch.compile
+    float8: bool = False
 
     def __post_init__(self) -> None:
+        if self.recompute_mode and (self.recompute_mode not in RECOMPUTE_MODES
+                                    or self.recompute != (self.recompute_mode == "full")):
+            raise ValueError(f"{self.name}: recompute_mode {self.recompute_mode!r} with recompute={self.recompute}")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{self.name}: architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
         for field in ("tp", "pp", "dp", "cp"):
@@ -237,7 +249,7 @@ class PublishedRun:
         """The model as built: Megatron-LM's GPT (see the module docstring) or Llama's (RMSNorm, SwiGLU, RoPE, no
         biases, untied output layer)."""
         if self.architecture == "gpt":
-            style = {"learned_positions": True, "tied_embeddings": self.tied_embeddings}
+            style = {"learned_positions": self.learned_positions, "tied_embeddings": self.tied_embeddings}
         else:
             style = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "learned_positions": False,
                      "tied_embeddings": False}
