@@ -22,7 +22,8 @@ from labkit.costmodel.kernels import (
     layer_time,
     optimizer_time,
 )
-from labkit.costmodel.planner import Cluster, candidates, layout_memory, plan
+from labkit.costmodel.planner import Cluster, candidates, plan
+from labkit.costmodel.rank_memory import layout_memory
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.stages import Layout, chunk_layers, weighted_stage_layers
 from labkit.costmodel.step import predict_step
@@ -110,7 +111,7 @@ def test_unfused_attention_moves_the_score_matrix_and_selective_recomputation_re
     assert unfused.attention_forward >= KERNELS.memory_s(scores * (2 * 2 + 2 * 2 + 1))  # softmax, dropout
     assert unfused.forward > fused.forward
     cluster = Cluster(H100, 8, 0.6, 0.5, 0.8)
-    plain, selective = (predict_step(shape, Layout(8, 1, 1, selective_recompute=chosen), 8, cluster.hardware(),
+    plain, selective = (predict_step(shape, Layout(8, 1, 1, selective="attention" if chosen else ""), 8, cluster.hardware(),
                                      flash_attention=False, dropout=True) for chosen in (False, True))
     assert selective.backward_s - plain.backward_s == pytest.approx(shape.num_layers * unfused.attention_forward)
 
@@ -157,12 +158,14 @@ def test_a_layout_carries_its_stages_and_refuses_full_and_selective_together() -
     shape = TransformerShape(10, 256, 4, 128, 1000)
     layout = Layout(1, 1, 4, stage_layers=weighted_stage_layers(10, 4))
     assert chunk_layers(shape, layout) == (2, 3, 3, 2) and "layers 2/3/3/2" in layout.label()
-    assert "selective recompute" in Layout(1, 1, 1, selective_recompute=True).label()
+    assert "selective (attention) recompute" in Layout(1, 1, 1, selective="attention").label()
     with pytest.raises(ValueError, match="exclude each other"):
-        Layout(1, 1, 1, recompute=True, selective_recompute=True)
+        Layout(1, 1, 1, recompute=True, selective="op")
+    with pytest.raises(ValueError, match="selective must be one of"):
+        Layout(1, 1, 1, selective="some")
     with pytest.raises(ValueError, match="each of the 4 chunks"):
         Layout(1, 1, 4, stage_layers=(5, 5))
-    selective = layout_memory(shape, Layout(1, 1, 1, selective_recompute=True), 1, flash_attention=False)
+    selective = layout_memory(shape, Layout(1, 1, 1, selective="attention"), 1, flash_attention=False)
     flash = layout_memory(shape, Layout(1, 1, 1), 1, flash_attention=True)
     assert selective == flash  # no score matrix kept
 

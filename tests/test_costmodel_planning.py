@@ -269,7 +269,8 @@ def test_under_accumulation_zero_2_prices_and_holds_what_zero_1_does():
     """With ``m > 1`` ZeRO-2 holds whole gradients through the schedule and, like ZeRO-1, reduce-scatters them and
     gathers the weights (ZeRO, section 7.2.1): the same step and memory, so the planner lists it once."""
     from labkit.costmodel.compute import GPUS
-    from labkit.costmodel.planner import Cluster, layout_memory
+    from labkit.costmodel.planner import Cluster
+    from labkit.costmodel.rank_memory import layout_memory
     from labkit.costmodel.step import Layout, predict_step
 
     shape = TransformerShape.preset("gpt3-175b")

@@ -86,11 +86,12 @@ def test_the_peak_counts_lesson_04s_fp32_gradient_copy():
 
 
 def test_the_planner_counts_the_fullest_gpu_and_keeps_a_margin():
-    """planner.layout_memory: the first pipeline rank holds the embedding and p micro-batches in flight, the last
+    """rank_memory.layout_memory: the first pipeline rank holds the embedding and p micro-batches in flight, the last
     the output layer and one micro-batch's logits (bf16 and fp32); the fuller one is reported.  plan() keeps
     10 % of the device free (Cluster.memory_margin)."""
     from labkit.costmodel.compute import GPUS
-    from labkit.costmodel.planner import Cluster, held_microbatches, layout_memory, plan
+    from labkit.costmodel.planner import Cluster, plan
+    from labkit.costmodel.rank_memory import held_microbatches, layout_memory
     from labkit.costmodel.stages import rank_parameters
     from labkit.costmodel.step import Layout
 

@@ -316,7 +316,7 @@ def test_the_closed_form_bounds_the_simulator_and_is_exact_for_interleaved_zb():
 
 
 def test_the_planners_activations_held_are_the_simulators():
-    from labkit.costmodel.planner import held_microbatches
+    from labkit.costmodel.rank_memory import held_microbatches
     from labkit.costmodel.stages import Layout
     from labkit.parallel.pipeline.catalog import SCHEDULES
     for name, vs in (("interleaved-zb", (2, 3)), ("zb-v", (2,)), ("dualpipev", (2,))):

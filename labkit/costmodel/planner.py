@@ -10,7 +10,7 @@ them by its own numbers instead:
 1. **enumerate** every ``(t, p, zero, b, recompute, schedule, v)`` whose degrees divide what they split: ``t``
    the heads (and key/value heads), ``p v`` the layers, ``d`` the global batch, ``b`` a replica's share;
    FSDP only with GPipe or 1F1B (as :func:`labkit.parallel.parallelize.check_3d` refuses otherwise);
-2. **fit**: the memory of the fullest GPU (:func:`layout_memory`: the first pipeline rank holds the embedding
+2. **fit**: the memory of the fullest GPU (:func:`~labkit.costmodel.rank_memory.layout_memory`: the first pipeline rank holds the embedding
    and the most micro-batches in flight, the last the output layer and the logits) must stay under the
    device's memory less :data:`MEMORY_MARGIN`;
 3. **rank** by :func:`labkit.costmodel.step.predict_step`.  Placing every candidate's schedule in time would
@@ -36,18 +36,18 @@ candidate needed.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from labkit.costmodel import hardware
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPU, mfu, model_flops_per_step
-from labkit.costmodel.context import cp_buffer_bytes, cp_saved_extra_bytes
 from labkit.costmodel.kernels import Kernels
-from labkit.costmodel.memory import activation_bytes, memory_per_rank
+from labkit.costmodel.rank_memory import layout_memory
 from labkit.costmodel.shapes import TransformerShape
-from labkit.costmodel.stages import chunk_layers, rank_expert_parameters, rank_parameters, weighted_stage_layers
+from labkit.costmodel.stages import (
+    weighted_stage_layers,
+)
 from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
 from labkit.parallel.context.sequence import padded_length
 
@@ -204,83 +204,6 @@ def _ep_degrees(shape: TransformerShape, replicas: int, asked: tuple[int, ...] |
     return [ep for ep in tried if ep_problem(shape, replicas, ep) is None]
 
 
-def held_microbatches(layout: Layout, m: int, rank: int) -> float:
-    """How many micro-batches of its stage's activations pipeline rank ``rank`` holds at its peak: all ``m``
-    under GPipe, ``p - rank`` under 1F1B and ZB-H1 (at most ``m``), and under interleaving Megatron's warm-up,
-    ``(v - 1) p + 2 (p - 1 - rank) + 1`` chunk passes of ``1 / v`` of a stage each; interleaved ZB one fewer a
-    hop, ``(v - 1) g + p - rank`` (``g``: its round of ``m // max(1, m // p)`` micro-batches); ZB-V
-    ``min(2p, m + rank + 1, 2m)`` and DualPipeV ``2p + 1`` passes of half a stage (``p`` and ``p + 1/2`` stages
-    once ``m >= 2p``; tested against the simulator's count)."""
-    p = layout.pp
-    if layout.schedule == "gpipe":
-        return m
-    if layout.schedule.startswith("interleaved"):
-        v = layout.virtual_stages
-        if layout.schedule == "interleaved-zb":
-            return min(m * v, (v - 1) * (m // max(1, m // p)) + p - rank) / v
-        return min(m * v, (v - 1) * p + 2 * (p - 1 - rank) + 1) / v
-    if layout.schedule == "zb-v":
-        return min(2 * p, m + rank + 1, 2 * m) / 2
-    if layout.schedule == "dualpipev":
-        return p + 0.5
-    return min(m, p - rank)
-
-
-def layout_memory(shape: TransformerShape, layout: Layout, global_batch: int, sequence_parallel: bool = True,
-                  flash_attention: bool = True, dropout: bool = True, gradient_bytes: int | None = None,
-                  stage_layers: tuple[int, ...] | None = None, peak: bool = True) -> dict[str, float]:
-    """Bytes on the fullest GPU of ``layout`` (mixed precision and Adam): the larger of the first pipeline
-    rank (the embedding, the most micro-batches in flight: :func:`held_microbatches`) and the last (the
-    output layer, and one micro-batch's logits, in bf16 and in fp32 for the loss).  Model states at the step's
-    peak (``peak``: lesson 04's fp32 copy of the gradients; ``gradient_bytes``: as
-    :func:`~labkit.costmodel.memory.memory_per_rank`), whole gradients under ZeRO-2/FSDP when the step
-    accumulates ``m > 1`` micro-batches; activations per :func:`~labkit.costmodel.memory.activation_bytes`
-    (``flash_attention``, ``dropout``; sequence parallelism with TP).  With recomputation each held micro-batch
-    keeps its layers' inputs, and only the one layer being rebuilt holds its whole activations.  With context
-    parallelism each rank holds the activations of ``s / cp`` tokens of each sequence, the K/V it gathers or
-    receives for the one layer whose attention runs (:func:`~labkit.costmodel.context.cp_buffer_bytes`), and
-    its model states sharded by ZeRO over the ``dp x cp`` replicas.  In a mixture of experts the routed experts
-    are counted apart: ``1 / ep`` of them a GPU (not split by tp), their states sharded over the ``dp cp / ep``
-    ranks that hold the same experts; the rest as in a dense model (:mod:`labkit.costmodel.experts`)."""
-    d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
-    m = global_batch // (d * b)
-    full = shape
-    shape = dataclasses.replace(shape, seq_len=shape.seq_len // layout.cp)  # this rank's tokens of a sequence
-    options = {"tp_degree": t, "sequence_parallel": sequence_parallel and t > 1, "dropout": dropout,
-               "flash_attention": flash_attention or layout.selective_recompute}  # selective: no score matrix kept
-    layers = chunk_layers(shape, layout, stage_layers)
-    stage = max(sum(layers[c] for c in layout.chunks_of(r)) for r in range(p))  # a rank's layers, its chunks together
-    last = layout.rank_of(layout.chunks - 1)  # the output layer's rank: p - 1, or 0 in a V
-    whole = activation_bytes(shape, b, checkpointing=layout.recompute, layers=max(stage, 1), **options)
-    rebuilt = activation_bytes(shape, b, layers=1, **options)
-    per_stage = (whole - rebuilt) if layout.recompute else whole
-    if layout.cp_strategy == "ulysses" and layout.cp > 1 and not layout.recompute:  # its second output a layer
-        per_stage += cp_saved_extra_bytes("ulysses", stage, b, shape.seq_len, shape.hidden_size // t, 2)
-    logits = b * shape.seq_len * -(-shape.vocab_size // t) * (2 + 4)
-    parameters = rank_parameters(full, layout, stage_layers)
-    experts = rank_expert_parameters(full, layout, stage_layers)
-    if layout.cp > 1:  # one layer's K/V from the other cp ranks, in bf16 (and their gradients, backward)
-        kv_heads = max(shape.num_kv_heads / t, 1)  # Megatron replicates K/V heads that t does not divide
-        per_rank_heads = shape.num_heads / t if layout.cp_strategy == "ulysses" else kv_heads
-        transient = 2 * cp_buffer_bytes(layout.cp_strategy, layout.cp, b, per_rank_heads, shape.seq_len,
-                                        shape.hidden_size // shape.num_heads, 2)
-    else:
-        transient = 0.0
-    worst: dict[str, float] = {}
-    for rank in sorted({0, p - 1, last}):
-        activations = held_microbatches(layout, m, rank) * per_stage + (rebuilt if layout.recompute else 0.0)
-        activations += (logits if rank == last else 0.0) + transient
-        memory = memory_per_rank(parameters[rank] - experts[rank], "mixed", "adam", layout.zero, layout.replicas, t,
-                                 1, activations, accumulating=m > 1, gradient_bytes=gradient_bytes, peak=peak)
-        if experts[rank]:  # the routed experts: 1/ep of them, sharded over the replicas of the same experts
-            held = memory_per_rank(experts[rank], "mixed", "adam", layout.zero, layout.replicas // layout.ep,
-                                   layout.ep, 1, accumulating=m > 1, gradient_bytes=gradient_bytes, peak=peak)
-            memory = {name: memory[name] + held[name] for name in memory}
-        if memory["total"] > worst.get("total", -1.0):
-            worst = memory
-    return worst
-
-
 def _stages_per_rank(schedule: str, per_stage: int, p: int, m: int, asked: tuple[int, ...] | None
                      ) -> tuple[int, ...]:
     """The ``v`` to try for ``schedule`` on ``p`` ranks of ``per_stage`` layers and ``m`` micro-batches (none when
@@ -361,7 +284,7 @@ def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_
                             if zero == 2 and m > 1 and 1 in zero_stages:
                                 continue  # accumulating, ZeRO-2 holds and sends what ZeRO-1 does: the same layout
                             found += [Layout(d, t, p, zero, b, r is True, schedule, v, cp, cp_strategy, ep,
-                                             r == "selective", uneven)
+                                             "attention" if r == "selective" else "", uneven)
                                       for r in recompute for ep in _ep_degrees(shape, d * cp, expert_parallel)]
     return found
 
@@ -372,7 +295,7 @@ def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int 
     """The ``top`` fastest configurations of ``shape`` on ``cluster`` for a step of ``global_batch`` sequences
     that fit in each device's memory less the cluster's margin, exactly ranked by
     :func:`~labkit.costmodel.step.predict_step` (``choices``: :func:`candidates`' keyword arguments;
-    ``flash_attention`` and ``dropout`` go to the memory model, :func:`layout_memory`; ``gradient_bytes`` (4:
+    ``flash_attention`` and ``dropout`` go to the memory model, :func:`~labkit.costmodel.rank_memory.layout_memory`; ``gradient_bytes`` (4:
     gradients accumulated and reduced in fp32, as Megatron-LM does under bf16) to both; ``overlap_gather``,
     ``overlap_tp`` and ``overlap_dp`` to the step model)."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:

@@ -107,11 +107,9 @@ the sources say so:
   weights.  Llama 3's FSDP "shards optimizer states and gradients, but for model shards we do not reshard
   after forward computation", and DP tolerates latency "by asynchronously prefetching sharded model weights
   and reducing gradients" (3.3.2): the same traffic.
-- *TP communication overlapped* (``overlap_tp``): the README's ``--tp-comm-overlap``; Llama 3 does not say
-  (not assumed); Narayanan et al. 2021 predates it.
+- *TP communication overlapped* (``overlap_tp``): the README's ``--tp-comm-overlap`` (not Llama 3, not 2021).
 - *Llama 3's pipeline balanced* (``stage_layers``): "we reduce one Transformer layer each from the first and
-  the last stages" (3.3.2); with one layer per chunk that is 128 chunks of which the first holds only the
-  embedding and the last only the output layer and the loss.
+  the last stages" (3.3.2): 128 chunks of one layer, the first holding only the embedding, the last the output.
 - *Narayanan et al. 2021*: activation recomputation (their equation 3 "assumes activation recomputation" and
   Table 1's FLOP/s are counted with it); the interleaved schedule with the scatter/gather optimisation
   (section 5.1: each TP rank sends ``1 / t`` of a boundary's activations); a GPT with the output layer tied to
@@ -131,10 +129,9 @@ biases, learned positions) with an untied output layer: tied, "7.1B" and "16B" w
 the position table, 32B, 119B and 462B would round to 31B, 118B and 461B.
 
 **Memory, as labkit's model counts it** (:meth:`PublishedRun.memory`: fp32 gradients held whole while a step
-accumulates them, the fullest pipeline rank): every Megatron-LM and Narayanan et al. layout fits in the planner's
-72 of 80 GB.  Llama 3's as run does not: 111 and 101 GB, because the interleaved schedule's warm-up holds 18 of a
-stage's micro-batches of 8K tokens and labkit keeps their activations whole; the paper frees each stage's input
-and output tensors early and balances the first and last stages (3.3.2), which labkit's count does not see.
+accumulates them, the fullest pipeline rank): every Megatron-LM and Narayanan et al. layout fits in 72 of 80 GB;
+Llama 3's does not (111 and 101 GB: the interleaved warm-up holds 18 micro-batches of 8K tokens, whose
+activations labkit keeps whole where the paper frees each stage's input and output early, 3.3.2).
 """
 
 from __future__ import annotations
@@ -143,7 +140,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from labkit.costmodel.compute import GPUS, model_flops_per_step, narayanan_flops
-from labkit.costmodel.planner import Cluster, layout_memory
+from labkit.costmodel.planner import Cluster
+from labkit.costmodel.rank_memory import layout_memory
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.step import Layout
 from labkit.degrees import check_degree
@@ -170,7 +168,8 @@ class PublishedRun:
     ``dropout`` go to the memory model; ``gradient_bytes`` (4: accumulated and reduced in fp32) to both;
     ``overlap_gather`` (ZeRO-1/2's gather of the weights behind the next forward), ``overlap_tp``,
     ``overlap_dp`` and ``stage_layers`` (each pipeline chunk's layers, where not even) to the step model.  As
-    printed, read by no model yet: ``recompute_mode``, ``sequence_parallel``, ``step_s``, ``tokens_per_s_per_gpu``."""
+    printed: ``recompute_mode`` (the layout's selective recomputation), ``sequence_parallel`` (the step model's),
+    ``step_s``, ``tokens_per_s_per_gpu``."""
 
     name: str
     source: str
@@ -209,7 +208,7 @@ class PublishedRun:
     hardware_flops: bool = False
     learned_positions: bool = True  # a GPT's position table (False: ALiBi, as BLOOM)
     recompute_mode: str = ""  # "", or one of RECOMPUTE_MODES
-    sequence_parallel: bool = False
+    sequence_parallel: bool | None = None  # None: the step model's default (on with TP)
     step_s: float | None = None
     tokens_per_s_per_gpu: float | None = None
     compiled: bool = False  # torch.compile
@@ -260,18 +259,20 @@ class PublishedRun:
         """The published degrees as a :class:`~labkit.costmodel.step.Layout`, completed as the module docstring
         says (context parallelism: all-gather, as Llama 3 runs it)."""
         schedule = "interleaved" if self.virtual_stages > 1 else "1f1b"
+        selective = {"selective": "attention", "selective op": "op", "selective layer": "layer"}
         return Layout(self.dp, self.tp, self.pp, self.zero, self.micro_batch, self.recompute, schedule,
-                      self.virtual_stages, self.cp, "all_gather")
+                      self.virtual_stages, self.cp, "all_gather", selective=selective.get(self.recompute_mode, ""))
 
     def memory_options(self) -> dict[str, bool | int]:
-        """How the run held its activations and gradients: :func:`~labkit.costmodel.planner.layout_memory`'s."""
+        """How the run held its activations and gradients: :func:`~labkit.costmodel.rank_memory.layout_memory`'s."""
         return {"flash_attention": self.flash_attention, "dropout": self.dropout,
                 "gradient_bytes": self.gradient_bytes}
 
     def step_options(self) -> dict[str, int | bool]:
         """How the run communicated: :func:`~labkit.costmodel.planner.plan`'s options for the step model."""
         return {"gradient_bytes": self.gradient_bytes, "overlap_gather": self.overlap_gather,
-                "overlap_tp": self.overlap_tp, "flash_attention": self.flash_attention, "dropout": self.dropout}
+                "overlap_tp": self.overlap_tp, "flash_attention": self.flash_attention, "dropout": self.dropout,
+                **({} if self.sequence_parallel is None else {"sequence_parallel": self.sequence_parallel})}
 
     def plan_options(self) -> dict[str, int | bool]:
         """Both, for :func:`~labkit.costmodel.planner.plan`."""

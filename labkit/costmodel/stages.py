@@ -1,6 +1,6 @@
 """What each pipeline stage of a 3D layout computes and holds: the inputs of lesson 11's step model.
 
-:func:`labkit.costmodel.step.predict_step` prices a step from these; :func:`labkit.costmodel.planner.layout_memory`
+:func:`labkit.costmodel.step.predict_step` prices a step from these; :func:`labkit.costmodel.rank_memory.layout_memory`
 counts memory from them.  A layout (:class:`Layout`) cuts a model of ``L`` layers into ``p v`` *chunks* (``v``
 per rank under the interleaved schedule, chunk ``c`` on rank ``c mod p``), ``L / (p v)`` layers each unless the
 caller gives each chunk's count (``stage_layers``, e.g. Llama 3's pipeline, which leaves its first and last
@@ -34,6 +34,9 @@ from labkit.parallel.pipeline.catalog import V_SHAPED
 from labkit.parallel.pipeline.schedule import stage_rank
 
 
+SELECTIVE = ("", "attention", "op", "layer")  # Layout.selective: what a selective recomputation reruns
+
+
 @dataclass(frozen=True)
 class Layout:
     """A 3D configuration: ``dp x tp x pp`` ranks, ZeRO stage over dp, micro-batch size, recomputation and the
@@ -43,9 +46,13 @@ class Layout:
     sequence split over ``cp`` ranks, whose gradients are reduced (and ZeRO's states sharded) over ``dp x cp``
     ranks, as :mod:`labkit.parallel.parallelize` builds it.  ``ep``: expert parallelism of an MoE shape, folded over
     ``dp x cp`` (:mod:`labkit.costmodel.experts`).  ``recompute``: full activation recomputation (each layer's
-    forward rerun in its backward); ``selective_recompute``: only the attention core's (Korthikanti et al.
-    2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.2: the scores, softmax,
-    dropout and weighted sum, whose activations are the ``5 a s / h`` term), never both.  ``stage_layers``:
+    forward rerun in its backward); ``selective``, a part of it (:data:`SELECTIVE`), never both:
+    ``"attention"``, the attention core's (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", section 4.2: the scores, softmax, dropout and weighted sum, whose activations are the
+    ``5 a s / h`` term; Megatron-LM's ``--recompute-activations``); ``"op"``, torchtitan's per-operation
+    policy (every memory-bound operation and every second matrix product recomputed, the others' outputs
+    kept: ``_get_selective_ac_policy`` in ``torchtitan/distributed/activation_checkpoint.py``); ``"layer"``,
+    torchtitan's every second layer recomputed in full (``selective_ac_option = "2"``).  ``stage_layers``:
     each chunk's layers where they are not ``L / (p v)`` each (:func:`weighted_stage_layers`); a
     ``stage_layers`` argument of the functions below overrides it."""
 
@@ -60,7 +67,7 @@ class Layout:
     cp: int = 1
     cp_strategy: str = "ring"
     ep: int = 1
-    selective_recompute: bool = False
+    selective: str = ""
     stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -71,8 +78,10 @@ class Layout:
             if len(self.stage_layers) != self.chunks or min(self.stage_layers) < 0:
                 raise ValueError(f"stage_layers must give each of the {self.chunks} chunks its layers (>= 0), got "
                                  f"{self.stage_layers}")
-        if self.recompute and self.selective_recompute:
-            raise ValueError("recompute (full) and selective_recompute exclude each other: choose one")
+        if self.selective not in SELECTIVE:
+            raise ValueError(f"selective must be one of {SELECTIVE}, got {self.selective!r}")
+        if self.recompute and self.selective:
+            raise ValueError("recompute (full) and selective recomputation exclude each other: choose one")
 
     @property
     def gpus(self) -> int:
@@ -106,7 +115,7 @@ class Layout:
         context += f" ep={self.ep}" if self.ep > 1 else ""
         extra += "" if self.stage_layers is None else f" layers {'/'.join(map(str, self.stage_layers))}"
         return (f"dp={self.dp} tp={self.tp} pp={self.pp}{context} ZeRO-{self.zero} b={self.micro_batch}"
-                f"{' recompute' if self.recompute else ' selective recompute' if self.selective_recompute else ''} "
+                f"{' recompute' if self.recompute else f' selective ({self.selective}) recompute' if self.selective else ''} "
                 f"{self.schedule}{extra}")
 
 
@@ -316,8 +325,9 @@ def kernel_passes(shape: Any, layout: Layout, kernels: Kernels, stage_layers: tu
     sparse = layer_time(kernels, shape, b, moe=True, **options) if getattr(shape, "moe_layers", 0) else dense
 
     def backward_of(layer: LayerTime) -> float:
-        return layer.backward + (layer.forward if layout.recompute else
-                                 layer.attention_forward if layout.selective_recompute else 0.0)
+        rerun = {"": 0.0, "attention": layer.attention_forward, "layer": layer.forward / 2,
+                 "op": layer.elementwise_forward + layer.products_forward / 2}[layout.selective]
+        return layer.backward + (layer.forward if layout.recompute else rerun)
 
     head_forward, head_backward = head_time(kernels, shape, b, layout.tp, layout.cp, value_bytes)
     moe = chunk_moe_layers(shape, layout, stage_layers)
