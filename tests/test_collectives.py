@@ -360,6 +360,20 @@ def test_cost_model_states_the_textbook_results():
     assert costs.naive_all_reduce_cost(n, 64, LinkModel(0.0, 1e-9)).time_s == pytest.approx(126 * n * 1e-9)
 
 
+def test_an_all_to_all_sends_its_node_share_and_its_network_share_at_once():
+    nvlink, network = LinkModel(3.4e-6, 1 / 450e9), LinkModel(14e-6, 1 / 50e9)
+    n = 16 << 20  # a rank's 16 MiB input, 1 MiB for each of 16 ranks, 8 of them on its node
+    one_link = costs.all_to_all_cost(n, 16, nvlink, element_size=2)
+    assert one_link.bytes_sent == [15 << 20] * 16 and one_link.steps == 15  # its own MiB stays home
+    assert one_link.time_s == pytest.approx(15 * (3.4e-6 + (1 << 20) / 450e9))
+    two = costs.all_to_all_cost(n, 16, nvlink, element_size=2, local=8, inter=network)
+    on_node, off_node = 7 * (3.4e-6 + (1 << 20) / 450e9), 8 * (14e-6 + (1 << 20) / 50e9)  # 30 us, 280 us
+    assert two.time_s == pytest.approx(max(on_node, off_node)) and two.time_s == pytest.approx(279.8e-6, rel=1e-3)
+    assert two.bytes_sent == one_link.bytes_sent  # the same bytes leave, on two links
+    assert costs.all_to_all_seconds((7, 7 << 20), (0, 0.0), nvlink, network) == pytest.approx(on_node)
+    assert costs.all_to_all_cost(n, 1, nvlink, element_size=2).time_s == 0.0
+
+
 def test_bus_bandwidth_uses_the_nccl_tests_convention():
     assert bus_bandwidth(1e9, 1.0, 4, "all_reduce") == pytest.approx(1.5e9)  # algbw * 2 (N-1)/N
     assert bus_bandwidth(1e9, 1.0, 4, "all_gather") == pytest.approx(0.75e9)

@@ -181,10 +181,22 @@ def test_attention_flops_and_messages_of_the_cost_model():
     assert model.attention_flops(1, 4, 8, causal=False) == 4 * 16 * 8
     assert model.attention_flops(1, 4, 8) == 4 * 10 * 8
     assert model.attention_flops(1, 4, 8, backward=True) == 2.5 * 4 * 10 * 8
+    block = 2 * 8 * 4 * 4  # one of q, k, v of a rank's 8 tokens: 2 heads of 4 fp32 values, 256 bytes
     ring = model.cp_messages("ring", 4, 1, 2, 8, 4, 4)
-    assert len(ring) == 9 and {nbytes for _, _, nbytes in ring} == {2 * 2 * 8 * 4 * 4}
+    assert len(ring) == 9 and {nbytes for _, _, nbytes in ring} == {2 * block}
+    # bytes that leave the rank: an all-gather sends its K/V to the 3 others (1,536 of the 2,048 it gathers), a
+    # reduce-scatter the 3 others' dK/dV, an all-to-all 3/4 of its input (its own heads' quarter stays)
+    gathered = model.cp_messages("all_gather", 4, 1, 2, 8, 4, 4)
+    assert gathered == [("forward", "all_gather", 3 * 2 * block), ("backward", "all_gather", 3 * 2 * block),
+                        ("backward", "reduce_scatter", 3 * 2 * block)]
+    assert model.collective_size("all_gather", 3 * 2 * block, 4) == 4 * 2 * block  # the whole sequence's K/V
+    assert model.collective_size("send", 2 * block, 4) == 2 * block
     link = model.cp_link_bytes("ulysses", 4, 1, 2, 8, 4, 4)
-    assert link["forward"] == link["backward"] == 4 * (2 * 8 * 4 * 4) * 3 / 4
+    assert link["forward"] == link["backward"] == (3 + 1) * block * 3 / 4
+    assert model.cp_link_bytes("ring", 4, 1, 2, 8, 4, 4)["forward"] == \
+        model.cp_link_bytes("all_gather", 4, 1, 2, 8, 4, 4)["forward"] == 3 * 2 * block  # the same K/V bytes
+    with pytest.raises(ValueError, match="kind must be one of"):
+        model.collective_size("broadcast", 1, 4)
     assert model.cp_messages("all_gather", 1, 1, 2, 8, 4) == []
     with pytest.raises(ValueError, match="strategy must be"):
         model.cp_messages("tree", 2, 1, 1, 1, 1)

@@ -65,6 +65,90 @@ def test_the_ring_hides_its_sends_behind_attention_and_all_gather_and_ulysses_do
     assert gathered[0] > 0 and gathered[1] > gathered[0] and ulysses[0] > 0
 
 
+def test_across_nodes_the_rings_sends_and_ulysses_all_to_alls_leave_through_one_adapter():
+    """cp = 16 over two nodes of 8 H100s, Llama 3 8B at 131,072 tokens, by hand: a rank's 8,192 tokens, its K and
+    V (1,024 wide each) 32 MiB.  The ring's sends step together and wait for the hop between the nodes, one GPU's
+    adapter (50 GB/s, not the 400 GB/s of 8 adapters a ring collective gets); all-gather is such a collective;
+    Ulysses sends 7/16 of each input over NVLink beside 8/16 through the adapter."""
+    cluster = Cluster(GPUS["H100 80GB"], 16)
+    hardware, shape = cluster.hardware(), dataclasses.replace(LLAMA_8B, seq_len=131072)
+    block = 2 * 8192 * 1024 * 2
+    send = 14e-6 + block / 50e9 + 8.4e-6
+    step = 2 * 8192 * 131072 * 4096 / (0.5 * 989e12) / 16  # one block's attention products
+    assert send < step  # hidden, but for the slowdown of the compute beside it
+    ring = context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=16), hardware)
+    assert ring[0] == pytest.approx(15 * 0.189 * send) and ring[1] == pytest.approx(15 * 0.189 * 2 * send)
+    gathered = context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=16, cp_strategy="all_gather"), hardware)
+    assert gathered[0] == pytest.approx(15 * (14e-6 + block / 400e9) + 8.4e-6)
+
+    def all_to_all(nbytes: int) -> float:
+        chunk = nbytes / 16
+        return max(7 * (3.4e-6 + chunk / 450e9), 8 * (14e-6 + chunk / 50e9)) + 8.4e-6
+
+    qkv, out = 8192 * (4096 + 2 * 1024) * 2, 8192 * 4096 * 2
+    ulysses = context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=16, cp_strategy="ulysses"), hardware)
+    assert ulysses == (pytest.approx(all_to_all(qkv) + all_to_all(out)), pytest.approx(all_to_all(out) + all_to_all(qkv)))
+    # inside one node (cp = 8) every message goes over NVLink, as when the link is given
+    inside = context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=8, cp_strategy="ulysses"), hardware)
+    assert inside == context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=8, cp_strategy="ulysses"), hardware,
+                                              hardware.intra_node)
+
+
+def test_lesson_13s_figure_draws_the_numbers_of_its_table():
+    """The strategy figure and the table below it in lesson 13 price the same H100s (the planner's Cluster at the
+    fitted efficiency) on the same link: at 8,192 and 131,072 tokens each strategy's point is the table's."""
+    from labkit.viz import context_plots
+
+    hardware = Cluster(GPUS["H100 80GB"], 8, EFFICIENCY).hardware()  # what the table builds
+    assert context_plots.lesson_cluster().hardware() == hardware
+    for name, link in (("NVLink", hardware.intra_node), ("InfiniBand", hardware.inter_node)):
+        lines = {line.get_label(): dict(zip(line.get_xdata(), line.get_ydata(), strict=True))
+                 for line in context_plots.plot_strategy_costs(8, 1, name, 8).axes[0].get_lines()}
+        for seq_len in (8192, 131072):
+            shape = dataclasses.replace(LLAMA_8B, seq_len=seq_len)
+            for strategy in ("ring", "all_gather", "ulysses"):
+                table = sum(context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=8, cp_strategy=strategy), hardware,
+                                                     link))
+                assert lines[f"{strategy}: exposed"][seq_len] == pytest.approx(1e3 * table, rel=1e-12), (name, strategy)
+            attention = 3 * 2 * (seq_len // 8) * seq_len * shape.hidden_size / hardware.flops
+            assert lines["the rank's causal attention (fwd + bwd)"][seq_len] == pytest.approx(1e3 * attention)
+    ring = lines["ring: exposed"][131072]  # InfiniBand: the table's 5.4 ms, not hidden to 0
+    assert 5.0 < ring < 6.0
+    with pytest.raises(ValueError, match="link must be one of"):
+        context_plots.plot_strategy_costs(8, 1, "50 GB/s")
+
+
+def test_lesson_13s_byte_figure_shows_what_left_a_rank_beside_the_collectives_size():
+    """Ring and all-gather put the same 4.5 MiB through a rank's link (the bars); all-gather's collectives are a
+    third larger, 6 MiB (the outline), since each rank's own quarter of the gathered K/V never leaves it."""
+    from labkit.viz import context_plots
+
+    messages = {name: context.cp_messages(name, 4, 1, 4, 512, 32, 4) for name in ("ring", "all_gather", "ulysses")}
+    left = {name: sum(n for _, _, n in found) for name, found in messages.items()}
+    total = {name: sum(context.collective_size(kind, n, 4) for _, kind, n in found) for name, found in messages.items()}
+    assert left == {"ring": 4.5 * 2**20, "all_gather": 4.5 * 2**20, "ulysses": 1.5 * 2**20}
+    assert total == {"ring": 4.5 * 2**20, "all_gather": 6 * 2**20, "ulysses": 2 * 2**20}
+    rows = {name: {"sent": left[name], "model": left[name], "total": total[name], "buffer": 1.0, "ms": 1.0}
+            for name in messages}
+    axis = context_plots.plot_strategies(rows).axes[0]
+    heights = {container.get_label(): [bar.get_height() for bar in container] for container in axis.containers}
+    assert heights["left the rank: measured"] == [left[name] / 1024 for name in messages]
+    assert heights["the collectives' whole size"] == [total[name] / 1024 for name in messages]
+    bare = context_plots.plot_strategies({name: {k: v for k, v in row.items() if k != "total"}
+                                          for name, row in rows.items()}).axes[0]
+    assert [container.get_label() for container in bare.containers] == ["left the rank: measured"]
+
+
+def test_the_strategy_explorer_redraws_for_every_control():
+    from labkit.viz import context_plots
+    from tests.conftest import check_every_control_redraws
+
+    def move(control):
+        control.value = next(option for option in control.options if option != control.value)
+
+    check_every_control_redraws(context_plots.strategy_explorer(), 4, move)
+
+
 def test_cp_divides_each_ranks_compute_and_activations_and_shards_zero_over_dp_times_cp():
     shape = dataclasses.replace(LLAMA_8B, seq_len=32768)
     alone = predict_step(shape, Layout(8, 1, 1), 64, HARDWARE)

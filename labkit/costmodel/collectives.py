@@ -15,7 +15,17 @@ ring all-reduce        ``2(N-1)``          ``2(N-1)/N n``                   sum 
 parameter server       ``2(N-1)``          root ``(N-1) n``, others ``n``   ``2(N-1)(alpha + n beta)``
 tree broadcast         ``ceil(log2 N)``    root ``R n``, leaves 0           ``R (alpha + n beta)``
 tree all-reduce        ``2 ceil(log2 N)``  up ``n``, then the broadcast     twice the broadcast
+all-to-all             ``N-1`` messages    ``(N-1)/N n``                    ``(N-1)(alpha + n/N beta)``
 =====================  ==================  ===============================  ==========================
+
+Bytes on a link are what *leaves* a rank, each way (a full-duplex link carries as much the other way at the same
+time): the third column, what the cost models of context and expert parallelism and their runtimes' logs count.
+A collective's *size* ``n`` (an all-reduce's message, a reduce-scatter's or an all-to-all's input, an all-gather's
+output) is its total, shown beside where a lesson needs it: the wrapper contract's ``communication_per_step``
+counts it (:mod:`labkit.parallel.base`), and this table turns it into bytes on the link.  An all-to-all of a
+rank's ``n`` bytes keeps ``n / N`` at home and sends the rest; on a cluster its messages to the ``k`` ranks of its
+node (itself included) go over NVLink and the others through the GPU's own network adapter, both at once
+(:func:`all_to_all_seconds`).
 """
 
 from __future__ import annotations
@@ -132,6 +142,34 @@ def tree_all_reduce_cost(nbytes: int, world_size: int, link: LinkModel = LinkMod
     down = tree_broadcast_cost(nbytes, world_size, link, src=0)
     up = [nbytes if rank > 0 and nbytes > 0 else 0 for rank in range(world_size)]
     return CollectiveCost(2 * down.time_s, 2 * down.steps, [a + b for a, b in zip(up, down.bytes_sent, strict=True)])
+
+
+def all_to_all_seconds(on_node: tuple[float, float], off_node: tuple[float, float], intra: LinkModel,
+                       inter: LinkModel) -> float:
+    """One rank's all-to-all from its ``(messages, bytes)`` to the ranks of its node and to other nodes: the first
+    over ``intra`` (NVLink), the second over ``inter`` (one GPU's network adapter), each share's messages in turn
+    (``m alpha + bytes beta``, the latency per message as for a ring step).  NCCL posts every peer's send and
+    receive in one group, and NVLink and the adapter are separate paths out of the GPU, so the two shares run at
+    the same time and the slower one sets the time: ``max(m_on alpha_on + b_on beta_on, m_off alpha_off + b_off
+    beta_off)``.  (A sum would serialise two links that do not wait for each other; both shares read the same
+    HBM, at ~3 TB/s on an H100, far above either link, so they do not slow each other either.)"""
+    return max(on_node[0] * intra.alpha_s + on_node[1] * intra.beta_s_per_byte,
+               off_node[0] * inter.alpha_s + off_node[1] * inter.beta_s_per_byte)
+
+
+def all_to_all_cost(nbytes: int, world_size: int, link: LinkModel = LinkModel(), element_size: int = 4,
+                    local: int | None = None, inter: LinkModel | None = None) -> CollectiveCost:
+    """All-to-all of each rank's ``nbytes`` input cut into ``N`` chunks (:func:`chunk_bounds`), chunk ``j`` to rank
+    ``j``: every rank sends all chunks but its own, ``(N-1)/N n`` bytes, one message to each other rank.  On one
+    ``link``: ``(N-1) (alpha + n/N beta)``.  With ``local`` of the ``N`` ranks on this rank's node (itself
+    included) and the others behind ``inter``: :func:`all_to_all_seconds` of ``local - 1`` chunks over ``link``
+    and ``N - local`` over ``inter``."""
+    chunks = _chunk_bytes(nbytes, world_size, element_size)
+    sent = [nbytes - chunks[rank] for rank in range(world_size)] if world_size > 1 else [0]
+    local, chunk = world_size if local is None else local, max(chunks)
+    time = all_to_all_seconds((local - 1, (local - 1) * chunk), (world_size - local, (world_size - local) * chunk),
+                              link, link if inter is None else inter)
+    return CollectiveCost(time, world_size - 1, sent)
 
 
 _BUS_FACTORS = {

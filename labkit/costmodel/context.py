@@ -11,15 +11,20 @@ scores (FlashAttention-2's backward: ``2.5x`` the forward).  Memory: a kernel th
 ``b a s^2`` probabilities for backward; blockwise attention keeps ``q, k, v, out`` and one log-sum-exp per row
 (:func:`attention_saved_bytes`), and a ``block x block`` tile per head while it runs.
 
-**Context parallelism's messages** per attention call and rank (:func:`cp_messages`; ``N = b (s / cp) h``):
+**Context parallelism's messages** per attention call and rank (:func:`cp_messages`; ``N = b (s / cp) h``),
+counted as labkit counts every message: the bytes that *leave* the rank (:mod:`labkit.costmodel.collectives`);
+the collective's whole size, what enters a reduce-scatter or an all-to-all or leaves an all-gather, is
+:func:`collective_size` of it:
 
-==========  ===============================================  ======================================
-strategy    forward                                          backward
-==========  ===============================================  ======================================
-ring        ``cp - 1`` sends of one K/V block (``2 N e``)     ``cp - 1`` K/V sends, ``cp - 1`` dK/dV
-all-gather  all-gather of K/V (``2 N e cp`` out)              all-gather again, reduce-scatter dK/dV
-Ulysses     all-to-all of q, k, v (``3 N e``), of out          all-to-all of dout, of dq, dk, dv
-==========  ===============================================  ======================================
+==========  =================================================  ===================================================
+strategy    forward                                            backward
+==========  =================================================  ===================================================
+ring        ``cp - 1`` sends of one K/V block (``2 N e``)      ``cp - 1`` K/V sends, ``cp - 1`` dK/dV
+all-gather  all-gather of K/V (``2 N e (cp - 1)`` out; of      all-gather again, reduce-scatter dK/dV (``2 N e
+            ``2 N e cp``)                                      (cp - 1)`` out of ``2 N e cp``)
+Ulysses     all-to-all of q, k, v (``3 N e (cp - 1) / cp``),   all-to-all of dout, of dq, dk, dv
+            of out (``N e (cp - 1) / cp``)
+==========  =================================================  ===================================================
 
 **In a step** (:func:`cp_layer_seconds`, which :func:`labkit.costmodel.stages.chunk_costs` adds to every layer):
 the ring sends each of its ``cp - 1`` K/V blocks (with grouped-query attention, ``2 b (s / cp) h_kv / t``
@@ -38,24 +43,36 @@ score matrix, ``s b h (10 + 24 / t)`` per layer without sequence parallelism, of
 holds.  At 131,072 tokens an 8B model needs 544 GiB of activations on one GPU, 352 GiB with ``t = 2`` and 88
 GiB with ``t = 2, cp = 4``; ``tests/test_costmodel_context.py`` checks every bar of the figure.
 
-Through each rank's link (:func:`link_bytes`): a send is its size; an all-gather's output, a reduce-scatter's
-input and an all-to-all's input each put ``(cp - 1) / cp`` of themselves on the link.  Ring and all-gather move
-the same K/V bytes forward; the ring's go in ``cp - 1`` steps that hide behind the attention of the block in
-hand when a block's compute outlasts its transfer (:func:`ring_exposed_seconds`).  Ulysses moves ``4 N e (cp -
-1)/cp`` forward, which does not grow with ``cp`` at a fixed ``s / cp``.
+Through each rank's link (:func:`cp_link_bytes`) ring and all-gather move the same K/V bytes forward, ``2 N e
+(cp - 1)``; the ring's go in ``cp - 1`` steps that hide behind the attention of the block in hand when a block's
+compute outlasts its transfer (:func:`ring_exposed_seconds`).  Ulysses moves ``4 N e (cp - 1)/cp`` forward,
+which does not grow with ``cp`` at a fixed ``s / cp``.
+
+**Which link** (:func:`cp_layer_seconds` without a ``link``; :mod:`labkit.costmodel.hardware`): the cp group's
+ranks are ``t`` apart.  Inside a node every message goes over NVLink.  Across nodes the all-gather and the
+reduce-scatter are ring collectives on NCCL's channels (:func:`labkit.costmodel.hardware.link_of`), but the ring's
+point-to-point sends step together and wait for the slowest, a hop between nodes through one GPU's adapter, and
+Ulysses' all-to-alls send each rank's share for other nodes through its own adapter beside the NVLink share
+(:func:`labkit.costmodel.collectives.all_to_all_cost`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from labkit.costmodel.collectives import LinkModel, ring_all_gather_cost, ring_reduce_scatter_cost
+from labkit.costmodel.collectives import (
+    LinkModel,
+    all_to_all_cost,
+    ring_all_gather_cost,
+    ring_reduce_scatter_cost,
+)
+from labkit.costmodel.hardware import link_of, node_members
 from labkit.costmodel.kernels import attention_time
 from labkit.costmodel.memory import korthikanti_layer_activation_bytes
 from labkit.costmodel.shapes import num_parameters
 from labkit.parallel.context.sequence import chunk_positions, padded_length
 
-KINDS_ON_LINK = ("send", "all_gather", "reduce_scatter", "all_to_all")
+KINDS = ("send", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def attention_flops(batch: int, seq_len: int, hidden: int, *, causal: bool = True, backward: bool = False) -> float:
@@ -107,7 +124,8 @@ def tile_bytes(batch: int, heads: int, block_size: int, element_size: int = 4) -
 def cp_messages(strategy: str, cp: int, batch: int, heads: int, local_len: int, head_dim: int,
                 element_size: int = 4) -> list[tuple[str, str, int]]:
     """``(phase, kind, bytes)`` of every message one attention call's forward and backward passes make on one
-    rank: what ``ContextParallelGroup.log`` records (``local_len = s / cp`` tokens per rank)."""
+    rank, bytes that leave the rank: what ``ContextParallelGroup.log`` records (``local_len = s / cp`` tokens
+    per rank).  A collective's whole size: :func:`collective_size`."""
     if strategy not in ("ring", "all_gather", "ulysses"):
         raise ValueError(f"strategy must be 'ring', 'all_gather' or 'ulysses', got {strategy!r}")
     if cp == 1:
@@ -116,26 +134,28 @@ def cp_messages(strategy: str, cp: int, batch: int, heads: int, local_len: int, 
     if strategy == "ring":
         return [("forward", "send", 2 * block)] * (cp - 1) + [("backward", "send", 2 * block)] * (2 * (cp - 1))
     if strategy == "all_gather":
-        gathered = 2 * block * cp
-        return [("forward", "all_gather", gathered), ("backward", "all_gather", gathered),
-                ("backward", "reduce_scatter", gathered)]
-    return [("forward", "all_to_all", 3 * block), ("forward", "all_to_all", block),
-            ("backward", "all_to_all", block), ("backward", "all_to_all", 3 * block)]
+        out = 2 * block * (cp - 1)  # its K/V to each other rank (a ring forwards others' instead: as many bytes)
+        return [("forward", "all_gather", out), ("backward", "all_gather", out), ("backward", "reduce_scatter", out)]
+    away = (cp - 1) * block // cp  # the heads of the other ranks; cp divides the heads
+    return [("forward", "all_to_all", 3 * away), ("forward", "all_to_all", away),
+            ("backward", "all_to_all", away), ("backward", "all_to_all", 3 * away)]
 
 
-def link_bytes(kind: str, nbytes: int, cp: int) -> float:
-    """Bytes a message of ``kind`` and size ``nbytes`` puts on each rank's link (ring algorithms)."""
-    if kind not in KINDS_ON_LINK:
-        raise ValueError(f"kind must be one of {KINDS_ON_LINK}, got {kind!r}")
-    return float(nbytes) if kind == "send" else nbytes * (cp - 1) / cp
+def collective_size(kind: str, nbytes: float, cp: int) -> float:
+    """The whole size of a collective of ``kind`` of which ``nbytes`` left the rank: a send's own size; an
+    all-gather's output, a reduce-scatter's or an all-to-all's input, ``cp / (cp - 1)`` times what left (the
+    rank's own share stays)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return float(nbytes) if kind == "send" else nbytes * cp / (cp - 1)
 
 
 def cp_link_bytes(strategy: str, cp: int, batch: int, heads: int, local_len: int, head_dim: int,
                   element_size: int = 4) -> dict[str, float]:
-    """``{"forward": bytes, "backward": bytes}`` each rank puts on its link in one attention call."""
+    """``{"forward": bytes, "backward": bytes}`` that leave each rank in one attention call."""
     total = {"forward": 0.0, "backward": 0.0}
-    for phase, kind, nbytes in cp_messages(strategy, cp, batch, heads, local_len, head_dim, element_size):
-        total[phase] += link_bytes(kind, nbytes, cp)
+    for phase, _, nbytes in cp_messages(strategy, cp, batch, heads, local_len, head_dim, element_size):
+        total[phase] += nbytes
     return total
 
 
@@ -165,44 +185,52 @@ def ring_exposed_seconds(compute_s: float, transfer_s: float, cp: int) -> float:
     return (cp - 1) * max(0.0, transfer_s - compute_s)
 
 
-def cp_layer_seconds(shape: Any, layout: Any, hardware: Any, link: LinkModel,
+def cp_layer_seconds(shape: Any, layout: Any, hardware: Any, link: LinkModel | None = None,
                      value_bytes: int = 2) -> tuple[float, float]:
     """``(forward, backward)`` seconds context parallelism adds to one layer of one micro-batch on the critical
     path (module docstring): ``shape`` a ``TransformerShape``, ``layout`` a ``Layout`` (``cp``, ``cp_strategy``,
-    ``tp``, ``micro_batch``), ``hardware`` its ``flops``, ``overlap_slowdown`` and ``call_latency_s``, ``link``
-    the cp group's."""
+    ``tp``, ``micro_batch``), ``hardware`` its ``flops``, ``overlap_slowdown``, ``call_latency_s`` and links.
+    ``link``: every message of the cp group on that one link (a what-if); ``None``: the links the group's place
+    on the nodes gives each kind of message (module docstring, "Which link")."""
     cp, t, b = layout.cp, layout.tp, layout.micro_batch
     if cp == 1:
         return 0.0, 0.0
-    local = shape.seq_len / cp
+    if link is None:
+        local = node_members(hardware.gpus_per_node, t, cp)
+        near, far, ring = hardware.intra_node, hardware.inter_node, link_of(hardware, t, cp)
+        hop = near if local == cp else far  # a ring of sends waits for its hop between nodes
+    else:
+        local, near, far, ring, hop = cp, link, link, link, link
+    local_len = shape.seq_len / cp
     kv_width = shape.hidden_size * shape.num_kv_heads / shape.num_heads / t
-    block = int(2 * b * local * kv_width) * value_bytes  # one rank's K and V
+    block = int(2 * b * local_len * kv_width) * value_bytes  # one rank's K and V
     latency, slowdown = hardware.call_latency_s, hardware.overlap_slowdown
     if layout.cp_strategy == "ring":
         # one step's attention products: 1 / cp of the rank's causal work (zig-zag: half of its queries' pairs);
         # with the GPU's kernels (labkit.costmodel.kernels), a causal flash kernel's, backward 2.5x the forward
-        step = 2 * b * local * shape.seq_len * shape.hidden_size / t / hardware.flops / cp
+        step = 2 * b * local_len * shape.seq_len * shape.hidden_size / t / hardware.flops / cp
         back = 2 * step
         if getattr(hardware, "kernels", None) is not None:
             step, back = (part / cp for part in attention_time(hardware.kernels, shape, b, shape.seq_len, t, cp,
                                                                True, False, value_bytes))
-        send = link.alpha_s + block * link.beta_s_per_byte + latency
+        send = hop.alpha_s + block * hop.beta_s_per_byte + latency
 
         def exposed(transfer: float, compute: float) -> float:
             return max(0.0, transfer - compute) + slowdown * min(transfer, compute)
 
         return (cp - 1) * exposed(send, step), (cp - 1) * exposed(2 * send, back)
     if layout.cp_strategy == "all_gather":
-        gather = ring_all_gather_cost(block * cp, cp, link, element_size=value_bytes).time_s + latency
-        scatter = ring_reduce_scatter_cost(block * cp, cp, link, element_size=value_bytes).time_s + latency
+        gather = ring_all_gather_cost(block * cp, cp, ring, element_size=value_bytes).time_s + latency
+        scatter = ring_reduce_scatter_cost(block * cp, cp, ring, element_size=value_bytes).time_s + latency
         return gather, gather + scatter
     if layout.cp_strategy == "ulysses":
-        q_width = shape.hidden_size / t
+        q_width = shape.hidden_size // t
 
-        def all_to_all(nbytes: float) -> float:
-            return (cp - 1) * (link.alpha_s + nbytes / cp * link.beta_s_per_byte) + latency
+        def all_to_all(nbytes: int) -> float:
+            return all_to_all_cost(nbytes, cp, near, value_bytes, local, far).time_s + latency
 
-        qkv, out = b * local * (q_width + 2 * kv_width) * value_bytes, b * local * q_width * value_bytes
+        qkv = int(b * local_len * (q_width + 2 * kv_width)) * value_bytes
+        out = int(b * local_len * q_width) * value_bytes
         return all_to_all(qkv) + all_to_all(out), all_to_all(out) + all_to_all(qkv)
     raise ValueError(f"cp_strategy must be 'ring', 'all_gather' or 'ulysses', got {layout.cp_strategy!r}")
 

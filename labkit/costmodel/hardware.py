@@ -27,11 +27,22 @@ and Llama models, computation overlapped with collectives ran 18.9 % slower on a
 ("Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning: Performance and
 Power Implications", 2025, arXiv 2507.03114, abstract).  :data:`OVERLAP_SLOWDOWN` is that average: the step
 model charges each second of hidden communication 0.189 s of compute.
+
+**Which link a group uses** (ranks numbered node by node, as ``torchrun`` does; a group's ranks ``stride`` apart
+in the (pp, dp, cp, tp) grid).  A group inside one node talks over NVLink.  A group that crosses nodes depends on
+what it runs.  A *ring collective* (all-reduce, reduce-scatter, all-gather) over ``k`` members a node drives ``k``
+network adapters at once on DGX-like nodes (one adapter per GPU, NCCL's rings on several channels), so
+:func:`link_of` prices it at ``k`` times one GPU's network bandwidth, at most NVLink's.  An *all-to-all* or a
+*point-to-point send* has no such help: every GPU's off-node bytes leave through its own adapter, one GPU's network
+bandwidth (50 GB/s on H100 nodes) whatever the group's size, while its bytes to the ``k - 1`` members of its node
+go over NVLink at the same time (:func:`node_members`; :func:`labkit.costmodel.collectives.all_to_all_seconds`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from labkit.costmodel.collectives import LinkModel
 
@@ -129,3 +140,30 @@ LINKS = {
     "25 Gb Ethernet (TCP)": Link("25 Gb Ethernet", ETHERNET_TCP_LATENCY_S, 3.125e9, "IEEE 802.3by: 25 Gb/s"),
 }
 NVLINK, INFINIBAND = LINKS["NVLink 4 (H100, inside a node)"], LINKS["InfiniBand NDR (across nodes)"]
+
+
+def node_members(gpus_per_node: int, stride: int, size: int) -> int:
+    """How many of a group's ``size`` ranks, ``stride`` apart, share a node: the fewest on any node the group
+    touches (the group starting on a node's first GPU, or a tp offset past it; ranks numbered node by node).
+    ``size`` when the group fits one node, ``G / stride`` when it spans whole nodes, 1 when ``stride >= G``."""
+    return min(Counter(index * stride // gpus_per_node for index in range(size)).values())
+
+
+def link_of(hardware: Any, stride: int, size: int) -> LinkModel:
+    """The link a *ring collective* of a group of ``size`` ranks ``stride`` apart in the (pp, dp, cp, tp) grid
+    runs on (``hardware``: a :class:`labkit.costmodel.stages.Hardware`): its ranks span ``stride * size``
+    consecutive ranks from a multiple of that, so it lies inside one node of ``G`` GPUs when that span divides
+    ``G``; else it crosses nodes, where with ``hardware.rails`` a group of ``G / stride`` members a node (whole
+    nodes' worth, ``stride`` dividing ``G``) runs that many times faster, at most at the NVLink's bandwidth.
+    All-to-alls and point-to-point sends cross nodes through one GPU's adapter instead (module docstring); the
+    step model still prices the pipeline's sends on this link, where the two agree once the pp stride ``d cp t``
+    is a node or more (one member a node)."""
+    span, nodes = stride * size, hardware.gpus_per_node
+    if span <= nodes and nodes % span == 0:
+        return hardware.intra_node
+    members = nodes // stride if hardware.rails and stride < nodes and nodes % stride == 0 and span % nodes == 0 \
+        else 1
+    if members == 1:
+        return hardware.inter_node
+    return LinkModel(hardware.inter_node.alpha_s,
+                     max(hardware.inter_node.beta_s_per_byte / members, hardware.intra_node.beta_s_per_byte))

@@ -21,7 +21,8 @@ name              layers  h      heads  kv heads  ffn         vocab   parameters
 
 The two mixtures of experts count their active parameters too (``num_parameters(shape, active=True)``:
 12,879,925,248 and 37,552,282,624); DeepSeek-V3's first 3 layers are dense (``ffn`` 18432), each later one has
-one shared expert and 256 routed ones, 8 a token, and multi-head latent attention (:func:`mla_parameters`).
+one shared expert and 256 routed ones, 8 a token on at most 4 nodes (node-limited routing, section 2.1.2:
+``max_nodes``), and multi-head latent attention (:func:`mla_parameters`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class TransformerShape:
     expert_ffn_hidden_size: int | None = None
     shared_experts: int = 0
     dense_layers: int = 0
+    # Node-limited routing (DeepSeek-V3: 4): a token's experts lie on at most max_nodes of the nodes expert
+    # parallelism spans, and its dispatch crosses the network once per node (labkit.costmodel.experts).
+    max_nodes: int | None = None
     # Attention other than multi-head or grouped-query (DeepSeek's multi-head latent attention): its parameters
     # per layer, and the widths of a head's queries-keys and values (default hidden_size / num_heads each).
     attention_parameters: int | None = None
@@ -99,6 +103,8 @@ class TransformerShape:
         if self.num_experts and not (1 <= self.top_k <= self.num_experts and 0 <= self.dense_layers < self.num_layers):
             raise ValueError(f"an MoE shape needs 1 <= top_k <= num_experts and 0 <= dense_layers < num_layers, got "
                              f"top_k={self.top_k}, num_experts={self.num_experts}, dense_layers={self.dense_layers}")
+        if self.max_nodes is not None:
+            check_count("max_nodes", self.max_nodes)
         for name in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "ffn_hidden_size",
                      "num_kv_heads"):
             check_count(name, getattr(self, name))
@@ -165,10 +171,11 @@ MODEL_SHAPES = {
     "mixtral-8x7b": TransformerShape(32, 4096, 32, 4096, 32000, ffn_hidden_size=14336, num_kv_heads=8, num_experts=8,
                                      top_k=2, **_LLAMA),
     # DeepSeek-V3 (DeepSeek-AI 2024, sections 2.1 and 4.2: 61 layers, the first 3 dense, then 1 shared and 256
-    # routed experts of width 2048, 8 a token; MLA; 4K tokens in pre-training): "671B total parameters with 37B
-    # activated for each token" (the multi-token prediction module, 14B more, is left out, as the 671B does)
+    # routed experts of width 2048, 8 a token on at most 4 nodes; MLA; 4K tokens in pre-training): "671B total
+    # parameters with 37B activated for each token" (the multi-token prediction module, 14B more, is left out, as
+    # the 671B does)
     "deepseek-v3": TransformerShape(61, 7168, 128, 4096, 129280, ffn_hidden_size=18432, num_experts=256, top_k=8,
-                                    expert_ffn_hidden_size=2048, shared_experts=1, dense_layers=3,
+                                    expert_ffn_hidden_size=2048, shared_experts=1, dense_layers=3, max_nodes=4,
                                     attention_parameters=mla_parameters(7168, 128, 1536, 512, 128, 64, 128),
                                     qk_head_dim=192, v_head_dim=128, **_LLAMA),
 }

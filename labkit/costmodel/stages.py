@@ -27,12 +27,12 @@ from labkit.costmodel.collectives import LinkModel, ring_all_reduce_cost
 from labkit.costmodel.compute import head_flops, layer_flops, model_flops_per_step
 from labkit.costmodel.context import cp_layer_seconds
 from labkit.costmodel.experts import ep_all_to_all_s
+from labkit.costmodel.hardware import link_of
 from labkit.costmodel.kernels import Kernels, LayerTime, head_time, layer_time
 from labkit.costmodel.shapes import expert_parameters, layer_parameters, num_parameters
 from labkit.degrees import check_degree, check_degrees
 from labkit.parallel.pipeline.catalog import V_SHAPED
 from labkit.parallel.pipeline.schedule import stage_rank
-
 
 SELECTIVE = ("", "attention", "op", "layer")  # Layout.selective: what a selective recomputation reruns
 
@@ -145,7 +145,8 @@ class Hardware:
     each GPU of a node has its own network adapter (``inter_node`` is one GPU's share), and a group that spans
     nodes with ``k`` members in each drives ``k`` of them at once, as NCCL's rings over several channels do
     on DGX nodes: ``k`` times one GPU's network bandwidth, at most the NVLink's (``False``: one GPU's, as if
-    the group had one member a node).  ``kernels``: the GPU's rates by kernel
+    the group had one member a node).  Ring collectives only: an all-to-all or a send crosses nodes through its
+    own GPU's adapter (:mod:`labkit.costmodel.hardware`).  ``kernels``: the GPU's rates by kernel
     (:class:`labkit.costmodel.kernels.Kernels`), which then price each layer by its products' shapes, its
     attention by a causal kernel's tiles and its memory-bound operations by their bytes, and the optimizer's
     step; ``None``: every FLOP of the Megatron count at ``flops`` (a CPU, calibrated; exercise 11)."""
@@ -163,23 +164,6 @@ class Hardware:
     dp_bucket_elements: int | None = None
     rails: bool = False
     kernels: Kernels | None = None
-
-
-def link_of(hardware: Hardware, stride: int, size: int) -> LinkModel:
-    """The link of a group of ``size`` ranks ``stride`` apart in the (pp, dp, cp, tp) grid: its ranks span
-    ``stride * size`` consecutive ranks from a multiple of that, so it lies inside one node of ``G`` GPUs when
-    that span divides ``G``; else it crosses nodes, where with ``hardware.rails`` a group of ``G / stride``
-    members a node (whole nodes' worth, ``stride`` dividing ``G``) runs that many times faster, at most at the
-    NVLink's bandwidth."""
-    span, nodes = stride * size, hardware.gpus_per_node
-    if span <= nodes and nodes % span == 0:
-        return hardware.intra_node
-    members = nodes // stride if hardware.rails and stride < nodes and nodes % stride == 0 and span % nodes == 0 \
-        else 1
-    if members == 1:
-        return hardware.inter_node
-    return LinkModel(hardware.inter_node.alpha_s,
-                     max(hardware.inter_node.beta_s_per_byte / members, hardware.intra_node.beta_s_per_byte))
 
 
 def weighted_stage_layers(layers: int, chunks: int, input_weight: int = 1, output_weight: int = 1
@@ -296,11 +280,9 @@ def chunk_costs(shape: Any, layout: Layout, hardware: Hardware, value_bytes: int
         even = flops / (t * chunks) / (backward_passes + 1) / hardware.flops
         forward, backward = [even] * chunks, [backward_passes * even] * chunks
     overhead = [hardware.layer_overhead_s * n + per_pass for n in layers]
-    cp_forward, cp_backward = cp_layer_seconds(shape, layout, hardware, link_of(hardware, layout.tp, layout.cp),
-                                               value_bytes)
+    cp_forward, cp_backward = cp_layer_seconds(shape, layout, hardware, value_bytes=value_bytes)
     cp_backward += cp_forward if layout.recompute else 0.0  # the recomputed forward gathers or rotates again
-    a2a = ep_all_to_all_s(shape, layout, link_of(hardware, layout.tp, layout.ep), hardware.call_latency_s,
-                          value_bytes)
+    a2a = ep_all_to_all_s(shape, layout, hardware, value_bytes)
     moe = chunk_moe_layers(shape, layout, stage_layers)
     return ChunkCosts(tuple(f + o for f, o in zip(forward, overhead, strict=True)),
                       tuple(bw + backward_passes * o for bw, o in zip(backward, overhead, strict=True)),

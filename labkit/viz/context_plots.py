@@ -23,6 +23,7 @@ from labkit.costmodel.compute import GPUS
 from labkit.costmodel.planner import Cluster
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.step import Hardware, Layout
+from labkit.costmodel.validation import EFFICIENCY
 from labkit.parallel.context.sequence import Tiles, block_slices, chunk_positions, tile_kind
 from labkit.viz.plots import RANK_COLORS, figure_to_png
 from labkit.viz.widgets import ROW, connect
@@ -149,17 +150,24 @@ def plot_work_per_rank(tiles: Mapping[str, Sequence[int]], seconds: Mapping[str,
 
 
 def plot_strategies(rows: Mapping[str, Mapping[str, float]]) -> Figure:
-    """Per strategy (``{name: {"sent": bytes, "model": bytes, "buffer": bytes, "ms": time}}``): bytes each rank
-    sent (measured bars, model marks), the largest buffer of others' K/V it held, and the measured step time."""
+    """Per strategy (``{name: {"sent": bytes, "model": bytes, "total": bytes, "buffer": bytes, "ms": time}}``):
+    the bytes that left each rank (measured bars, model marks; ``total``, optional, the collectives' whole size,
+    what enters a reduce-scatter or an all-to-all or leaves an all-gather, drawn as an outline), the largest
+    buffer of others' K/V it held, and the measured step time."""
     figure = Figure(figsize=(10.5, 3.2))
     axes = figure.subplots(1, 3)
     names = list(rows)
     colors = [STRATEGY_COLORS.get(name, "#777777") for name in names]
-    axes[0].bar(names, [rows[n]["sent"] / 1024 for n in names], color=colors, label="measured")
+    if all("total" in rows[n] for n in names):
+        axes[0].bar(names, [rows[n]["total"] / 1024 for n in names], facecolor="none", edgecolor="#555555",
+                    linestyle="--", label="the collectives' whole size")
+    axes[0].bar(names, [rows[n]["sent"] / 1024 for n in names], color=colors, label="left the rank: measured")
     axes[0].plot(names, [rows[n]["model"] / 1024 for n in names], "k_", markersize=28, markeredgewidth=2,
-                 label="model")
-    axes[0].set_ylabel("KiB sent per rank, one attention")
-    axes[0].legend(fontsize=8)
+                 label="left the rank: model")
+    tallest = max(max(rows[n].get("total", 0), rows[n]["sent"], rows[n]["model"]) for n in names) / 1024
+    axes[0].set_ylim(0, 1.45 * tallest)  # room for the legend above the bars
+    axes[0].set_ylabel("KiB that left a rank, one attention")
+    axes[0].legend(fontsize=7, loc="upper right")
     axes[1].bar(names, [rows[n]["buffer"] / 1024 for n in names], color=colors)
     axes[1].set_ylabel("KiB: largest tensor formed")
     axes[2].bar(names, [rows[n]["ms"] for n in names], color=colors)
@@ -239,9 +247,10 @@ def attention_explorer(seq_len: int = 48, block_size: int = 8, cp: int = 2) -> w
 
 
 def plot_cp_costs(shape: TransformerShape, seq_lens: Sequence[int], cp: int, tp: int, hardware: Hardware,
-                  link: LinkModel) -> Figure:
+                  link: LinkModel | None = None) -> Figure:
     """Per strategy, the communication one layer's attention leaves exposed (forward and backward) against the
-    sequence length (:func:`labkit.costmodel.context.cp_layer_seconds`), beside the attention compute itself."""
+    sequence length (:func:`labkit.costmodel.context.cp_layer_seconds`, on ``link`` or, ``None``, on the links the
+    cp group's place on the nodes gives it), beside the attention compute itself."""
     figure = Figure(figsize=(6.8, 3.6))
     axis = figure.subplots()
     for strategy, color in STRATEGY_COLORS.items():
@@ -255,40 +264,52 @@ def plot_cp_costs(shape: TransformerShape, seq_lens: Sequence[int], cp: int, tp:
     axis.set_yscale("log")
     axis.set_xlabel("sequence length s (tokens)")
     axis.set_ylabel("ms per layer and sequence")
-    axis.set_title(f"cp = {cp}, tp = {tp}, link {1 / link.beta_s_per_byte / 1e9:.0f} GB/s", fontsize=10)
+    where = (f"link {1 / link.beta_s_per_byte / 1e9:.0f} GB/s" if link is not None else
+             f"{cp * tp} GPUs on nodes of {hardware.gpus_per_node}")
+    axis.set_title(f"cp = {cp}, tp = {tp}, {where}", fontsize=10)
     axis.grid(True, which="both", alpha=0.3)
     axis.legend(fontsize=8)
     figure.tight_layout()
     return figure
 
 
-def plot_strategy_costs(cp: int = 8, tp: int = 1, bandwidth_gb_s: float = 50, kv_heads: int = 8) -> Figure:
-    """:func:`plot_cp_costs` for a Llama 3 8B layer (``kv_heads`` key/value heads) on the planner's H100s
-    (:class:`labkit.costmodel.planner.Cluster`: half the bf16 peak, NCCL's latencies, the slowdown of hidden
-    communication; :mod:`labkit.costmodel.hardware`) with the cp group on a link of ``bandwidth_gb_s`` GB/s (with
-    NVLink's latency above a GPU's network bandwidth, InfiniBand's at or below it): what :func:`strategy_explorer`
-    draws."""
+LINKS = ("InfiniBand", "NVLink", "as placed")  # the cp group's link in lesson 13's figure and explorer
+
+
+def lesson_cluster() -> Cluster:
+    """The H100s lesson 13 prices, figure and table alike: one node of the planner's cluster at the efficiency
+    fitted on published runs (:data:`labkit.costmodel.validation.EFFICIENCY`)."""
+    return Cluster(H100, H100.gpus_per_node, EFFICIENCY)
+
+
+def plot_strategy_costs(cp: int = 8, tp: int = 1, link: str = "InfiniBand", kv_heads: int = 8,
+                        cluster: Cluster | None = None) -> Figure:
+    """:func:`plot_cp_costs` for a Llama 3 8B layer (``kv_heads`` key/value heads) on ``cluster``'s hardware
+    (:meth:`labkit.costmodel.planner.Cluster.hardware`; default :func:`lesson_cluster`, what the lesson's table
+    prices), every message of the cp group over ``link``: ``"InfiniBand"`` (one GPU's adapter), ``"NVLink"``, or
+    ``"as placed"`` (``cp x tp`` ranks on the cluster's nodes, each kind of message on its own link):
+    what :func:`strategy_explorer` draws."""
+    if link not in LINKS:
+        raise ValueError(f"link must be one of {LINKS}, got {link!r}")
     shape = dataclasses.replace(TransformerShape.preset("llama-3-8b"), num_kv_heads=kv_heads)
-    hardware = Cluster(H100, H100.gpus_per_node).hardware()
-    bandwidth = bandwidth_gb_s * 1e9
-    latency = (hardware.intra_node if bandwidth > H100.network_bandwidth else hardware.inter_node).alpha_s
-    link = LinkModel(latency, 1 / bandwidth)
+    hardware = (cluster or lesson_cluster()).hardware()
+    chosen = {"InfiniBand": hardware.inter_node, "NVLink": hardware.intra_node, "as placed": None}[link]
     lengths = [2 ** k for k in range(12, 21) if 2 ** k % (2 * cp) == 0]
-    return plot_cp_costs(shape, lengths, cp, tp, hardware, link)
+    return plot_cp_costs(shape, lengths, cp, tp, hardware, chosen)
 
 
-def strategy_explorer(cp: int = 8, tp: int = 1, bandwidth_gb_s: int = 50, kv_heads: int = 8) -> widgets.VBox:
-    """Choose cp, tp, the cp group's link bandwidth and the key/value heads of a Llama 3 8B layer: each strategy's
-    exposed communication per layer against the sequence length (the planner's H100s)."""
+def strategy_explorer(cp: int = 8, tp: int = 1, link: str = "InfiniBand", kv_heads: int = 8) -> widgets.VBox:
+    """Choose cp, tp, the cp group's link and the key/value heads of a Llama 3 8B layer: each strategy's exposed
+    communication per layer against the sequence length (the lesson's H100s, :func:`lesson_cluster`)."""
     ranks = widgets.Dropdown(options=[2, 4, 8, 16, 32], value=cp, description="cp")
     tensor = widgets.Dropdown(options=[1, 2, 4, 8], value=tp, description="tp")
-    bandwidth = widgets.IntSlider(value=bandwidth_gb_s, min=5, max=450, step=5, description="link GB/s")
+    links = widgets.Dropdown(options=list(LINKS), value=link, description="link")
     heads = widgets.Dropdown(options=[8, 32], value=kv_heads, description="K/V heads")
     picture = widgets.Image(format="png")
 
     def redraw() -> None:
-        picture.value = figure_to_png(plot_strategy_costs(ranks.value, tensor.value, bandwidth.value, heads.value))
+        picture.value = figure_to_png(plot_strategy_costs(ranks.value, tensor.value, links.value, heads.value))
 
-    controls = (ranks, tensor, bandwidth, heads)
+    controls = (ranks, tensor, links, heads)
     connect(controls, redraw)
     return widgets.VBox([widgets.HBox(list(controls), layout=ROW), picture])

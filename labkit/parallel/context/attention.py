@@ -61,7 +61,9 @@ class ContextParallelGroup:
 
     ``group``: ``None``, a ``ProcessGroup`` or a one-dimensional ``DeviceMesh``.  ``log`` lists
     ``(phase, kind, bytes)`` for every send or collective (``kind``: ``"send"`` for the ring's point-to-point
-    messages, else the collective's name; bytes counted as :mod:`labkit.parallel.base` counts them).
+    messages, else the collective's name), bytes that left this rank (labkit's one convention,
+    :mod:`labkit.costmodel.collectives`): a send's size, an all-gather's input once to each other rank, the
+    chunks of a reduce-scatter's or an all-to-all's input meant for other ranks.
     """
 
     def __init__(self, group: Any = None, split: str = "zigzag", block_size: int = DEFAULT_BLOCK_SIZE):
@@ -84,9 +86,9 @@ class ContextParallelGroup:
         """Every rank's positions, in rank order: the order of a sequence gathered along the group."""
         return torch.cat([self.positions(local_len, rank) for rank in range(self.size)])
 
-    def _record(self, kind: str, tensor: torch.Tensor) -> None:
+    def _record(self, kind: str, nbytes: int) -> None:
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-        self.log.append((phase, kind, tensor.numel() * tensor.element_size()))
+        self.log.append((phase, kind, nbytes))
 
     def rotate(self, sends: list[tuple[torch.Tensor, str]]) -> tuple[_Pending, list[torch.Tensor]]:
         """Send each tensor to the next rank of the ring and receive one of the same shape from the previous
@@ -97,7 +99,7 @@ class ContextParallelGroup:
         preceding = global_rank(self.group, (self.rank - 1) % self.size)
         for tag, (tensor, _) in enumerate(sends):
             buffer = torch.empty_like(tensor)
-            self._record("send", tensor)
+            self._record("send", _nbytes(tensor))
             ops += [dist.P2POp(dist.isend, tensor, following, self.group, tag),
                     dist.P2POp(dist.irecv, buffer, preceding, self.group, tag)]
             received.append(buffer)
@@ -108,7 +110,7 @@ class ContextParallelGroup:
     def all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """The ranks' ``tensor``s stacked along a new first dimension, in rank order."""
         out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))  # concatenated along dim 0
-        self._record("all_gather", out)
+        self._record("all_gather", (self.size - 1) * _nbytes(tensor))  # its tensor to each other rank
         with trace.span(f"all_gather {what}", "comm"):
             all_gather_tensor(out, tensor.contiguous(), group=self.group)
         return out.view(self.size, *tensor.shape)
@@ -116,7 +118,7 @@ class ContextParallelGroup:
     def reduce_scatter(self, stacked: torch.Tensor, what: str) -> torch.Tensor:
         """``stacked[r]`` summed over the ranks, on rank ``r``."""
         out = stacked.new_empty(stacked.shape[1:])
-        self._record("reduce_scatter", stacked)
+        self._record("reduce_scatter", _nbytes(stacked) - _nbytes(stacked[self.rank]))  # the others' sums
         with trace.span(f"reduce_scatter {what}", "comm"):
             reduce_scatter_tensor(out, stacked.contiguous().flatten(0, 1), group=self.group)
         return out
@@ -124,10 +126,14 @@ class ContextParallelGroup:
     def all_to_all(self, stacked: torch.Tensor, what: str) -> torch.Tensor:
         """``stacked[r]`` goes to rank ``r``; returns what every rank sent here, stacked by sender."""
         out = stacked.new_empty(stacked.shape)  # contiguous (empty_like would keep a view's strides)
-        self._record("all_to_all", stacked)
+        self._record("all_to_all", _nbytes(stacked) - _nbytes(stacked[self.rank]))  # its own chunk stays
         with trace.span(f"all_to_all {what}", "comm"):
             dist.all_to_all_single(out, stacked.contiguous(), group=self.group)
         return out
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class _Pending:

@@ -281,8 +281,9 @@ class Parallel3D(ParallelWrapper):
         return self.optimizer
 
     def communication_per_step(self) -> dict[str, int]:
-        """Bytes into each collective in the last step, by dimension: ``"tp all_reduce"``, ``"pp send"``,
-        ``"dp all_reduce"`` (or ZeRO's and FSDP's kinds)."""
+        """This rank's bytes of the last step, by dimension: into each collective for ``"tp all_reduce"``,
+        ``"dp all_reduce"`` (or ZeRO's and FSDP's kinds), as the wrappers count them; what left the rank for
+        ``"pp send"``, cp's messages and ep's all-to-alls (:mod:`labkit.costmodel.collectives`)."""
         found = Counter(self._p2p)
         for tp in self.tensor_parallel:
             found.update({f"tp {kind}": n for kind, n in tp.communication_per_step().items()})
