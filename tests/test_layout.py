@@ -29,6 +29,8 @@ MAX_LINES = 600
 LONG_MODULES: dict[str, str] = {
     "labkit.launch.launcher": "one launch's life, start to results or to a named failure, reads as one story",
     "labkit.grading.checkers.parameter_server": "exercise 08's checks: the rule by hand on many cases, then on ranks",
+    "labkit.fake_world": "two 1,024-GPU layouts built by PyTorch and each term beside the model, every difference "
+                         "computed: one check read top to bottom",
 }
 LAYERS = [  # lowest first; a module's layer is the first prefix that matches
     # The pipeline's schedules and their simulator are tables and arithmetic, no process group: analytical
@@ -42,7 +44,7 @@ LAYERS = [  # lowest first; a module's layer is the first prefix that matches
                               "labkit.parallel.experts.router", "labkit.parallel.experts.permute",
                               "labkit.parallel.experts.layer")),
     ("runtime", ("labkit.dist", "labkit.launch", "labkit.mesh", "labkit.trace", "labkit.collectives",
-                 "labkit.measure", "labkit.calibrate", "labkit.claims")),
+                 "labkit.measure", "labkit.calibrate", "labkit.claims", "labkit.fake_world")),
     ("parallel", ("labkit.parallel",)),
     ("recipes", ("labkit.lr", "labkit.precision", "labkit.recompute", "labkit.checkpoint", "labkit.loader",
                  "labkit.monitor", "labkit.pitfalls")),

@@ -38,7 +38,11 @@ ZeRO-3     ``P_os+g+p`` (+ parameters)  ``(2 + 2 + K) Psi / N_d``           1.9 
 with ``K = 12`` and GB = 1e9 bytes: Figure 1 of Rajbhandari et al., exactly (31.40625, 16.640625 and 1.875 GB
 before the paper's rounding).  Like the figure, the model counts steady-state model states only: ZeRO-3's
 transient gather of one layer's full parameters, communication buckets, and the allocator's caching come on
-top.  Activations are added as the caller computes them for one rank (below).
+top.  Activations are added as the caller computes them for one rank (below).  ``labkit.fake_world`` holds these
+terms to what PyTorch allocates on rank 0 of 1,024 GPUs (FSDP2 over tensor parallelism, and ZeRO-1), each
+difference named: parameters tensor parallelism leaves whole, FSDP2's padded rows, and ZeRO-1 in PyTorch (as in
+``labkit.parallel.zero``) giving each rank whole tensors, so that past as many ranks as tensors the fullest holds
+the largest tensor's optimizer states, not ``K Psi / N_d``.
 
 **Transformers** (:class:`TransformerShape`, the well-known shapes, :func:`num_parameters`, the activations
 of a layer and TinyGPT's to the byte) are counted in :mod:`labkit.costmodel.shapes` and importable from here.

@@ -23,10 +23,13 @@ their peak: 20 bytes a parameter, the 16 held between steps and the optimizer's 
 (:func:`~labkit.costmodel.memory.memory_per_rank` with ``peak=True``; ``gradient_bytes=4`` for frameworks
 that accumulate in fp32 and step those directly, 18).  A step accumulates every micro-batch's gradients before
 its one reduction, so under ZeRO-2 and FSDP each rank holds them whole through the schedule
-(``accumulating``).  Beyond what the model counts, a real run needs the CUDA context, NCCL's buffers (a few MiB
-per channel and peer, for every group a rank joins), cuBLAS's workspaces and the caching allocator's rounding
-and fragmentation: not measured here (the course's lessons run on CPUs), so the planner keeps a margin,
-:data:`MEMORY_MARGIN`, 10 % of the device (8 GB of an 80 GB GPU), rather than plan to the last byte.
+(``accumulating``).  This is Megatron-LM's and DeepSpeed's mixed precision; PyTorch's FSDP2 keeps its fp32 shard
+as the master and steps fp32 gradients, 16 bytes a parameter (``labkit.fake_world`` builds rank 0 of 1,024 GPUs
+under FSDP2 and under ZeRO-1 and sets each term beside this one).  Beyond what the model counts, a real run
+needs the CUDA context, NCCL's buffers (a few MiB per channel and peer, for every group a rank joins), cuBLAS's
+workspaces and the caching allocator's rounding and fragmentation: not measured here (the course's lessons run
+on CPUs), so the planner keeps a margin, :data:`MEMORY_MARGIN`, 10 % of the device (8 GB of an 80 GB GPU),
+rather than plan to the last byte.
 
 ``efficiency`` is the fraction of the device's peak its matrix multiplications reach: the one fitted constant
 (:mod:`labkit.costmodel.validation` fits it to published runs and tests it on others; ``labkit doctor``
