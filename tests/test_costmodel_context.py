@@ -17,8 +17,8 @@ from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPUS
 from labkit.costmodel.memory import activation_bytes
 from labkit.costmodel.planner import Cluster, plan
-from labkit.costmodel.rank_memory import layout_memory
 from labkit.costmodel.published import LLAMA3_405B
+from labkit.costmodel.rank_memory import layout_memory
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.simulator import simulate_step
 from labkit.costmodel.step import Hardware, Layout, predict_step

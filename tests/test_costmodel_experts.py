@@ -23,10 +23,11 @@ from labkit.costmodel.experts import (
     ep_uniform_bytes,
     expected_max_normal,
 )
+from labkit.costmodel.hardware import link_of
 from labkit.costmodel.planner import Cluster, candidates
 from labkit.costmodel.rank_memory import layout_memory
 from labkit.costmodel.shapes import TransformerShape, expert_parameters, mla_parameters, num_parameters
-from labkit.costmodel.stages import Hardware, Layout, link_of, rank_expert_parameters, rank_parameters
+from labkit.costmodel.stages import Hardware, Layout, rank_expert_parameters, rank_parameters
 from labkit.costmodel.step import predict_step
 from labkit.launch import launch
 from labkit.mesh import Mesh

@@ -189,7 +189,13 @@ def test_the_planner_tries_uneven_pipelines_only_when_asked_and_prices_them() ->
 
 
 def test_the_fitted_efficiencies_are_the_least_squares_fit_on_the_fit_set() -> None:
-    from labkit.costmodel.validation import ATTENTION_CEILING, EFFICIENCIES, FIT_SET, fit_kernels, squared_error
+    from labkit.costmodel.validation import (
+        ATTENTION_CEILING,
+        EFFICIENCIES,
+        FIT_SET,
+        fit_kernels,
+        squared_error,
+    )
     fitted = fit_kernels(FIT_SET)
     assert tuple(round(value, 2) for value in fitted) == EFFICIENCIES
     assert fitted[1] <= ATTENTION_CEILING

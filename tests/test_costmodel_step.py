@@ -12,9 +12,10 @@ import pytest
 from labkit.costmodel import hardware as constants
 from labkit.costmodel.collectives import LinkModel, ring_reduce_scatter_cost
 from labkit.costmodel.compute import GPUS, head_flops, layer_flops, mfu, model_flops_per_step
+from labkit.costmodel.hardware import link_of
 from labkit.costmodel.planner import Cluster, candidates
 from labkit.costmodel.shapes import TransformerShape, num_parameters
-from labkit.costmodel.stages import chunk_parameters, link_of, rank_parameters
+from labkit.costmodel.stages import chunk_parameters, rank_parameters
 from labkit.costmodel.step import Hardware, Layout, lower_bound, place_schedule, predict_step
 from labkit.parallel.pipeline import catalog
 from labkit.parallel.pipeline.simulate import simulate

@@ -38,8 +38,8 @@ from typing import Any
 
 from labkit.costmodel.collectives import ring_all_gather_cost, ring_all_reduce_cost, ring_reduce_scatter_cost
 from labkit.costmodel.compute import mfu, model_flops_per_step
+from labkit.costmodel.hardware import link_of
 from labkit.costmodel.shapes import num_parameters
-from labkit.costmodel.stages import link_of
 from labkit.costmodel.step import SCHEDULES, Hardware, Layout, stage_times
 from labkit.parallel.pipeline import catalog
 from labkit.parallel.pipeline.schedule import Action
