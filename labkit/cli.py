@@ -12,7 +12,9 @@
   labkit technique with PyTorch's built-in, measured in the same run); exits 1 when a target is missed.
 - ``labkit plan --model NAME --gpu NAME --gpus N --global-batch B [--top K] [--efficiency E]`` — the fastest
   3D configurations that fit (``labkit.costmodel.planner``), as a table with each term of the predicted step
-  (``E`` defaults to the efficiency lesson 11 fits to published runs, ``labkit.costmodel.validation``).
+  (``E``, the fraction of the peak large matrix products reach, defaults to the one lesson 11 fits to published
+  runs with the attention and memory efficiencies, ``labkit.costmodel.validation``; one line under the table
+  gives the published runs the model was validated on and its error there).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -184,7 +187,9 @@ PLAN_COLUMNS = (
                "is split over (context parallelism, tried when nothing fits without it); ep: ranks of dp x cp a "
                "mixture of experts' experts are split over (expert parallelism); ZeRO-k: the stage "
                "over dp (0: plain DDP, 3: FSDP); b: the micro-batch, in sequences; recompute: activations "
-               "recomputed; the pipeline schedule (v: stages per GPU, interleaved)"),
+               "recomputed (selective: the attention core only); the pipeline schedule (v: stages per GPU, "
+               "interleaved); layers: each pipeline chunk's layers where they do not divide evenly (a/bxn/c: n "
+               "chunks of b), the embedding and the output weighing a layer each, as torchtitan splits them"),
     ("step s", "the predicted step, in seconds: the sum of the terms on the right"),
     ("MFU", "model FLOPs utilisation: the model's FLOPs per step / (step time x GPUs x peak bf16 FLOP/s)"),
     ("GB/GPU", "the fullest GPU's memory at its peak, in GB (1e9 bytes)"),
@@ -196,6 +201,7 @@ PLAN_COLUMNS = (
     ("zero", "seconds of ZeRO's and FSDP's all-gathers not hidden, and the slowdown of what hid them"),
     ("cp", "seconds of context parallelism's K/V exchange not hidden behind attention (shown with cp > 1)"),
     ("ep", "seconds of expert parallelism's all-to-alls, four a MoE layer and micro-batch (shown with ep > 1)"),
+    ("optimizer", "seconds of Adam's step through GPU memory on the rank that updates the most parameters"),
 )
 
 
@@ -233,13 +239,26 @@ def _usable_degrees(flag: str, degrees: tuple[int, ...], problem: Callable[[int]
                          + "; ".join(f"{degree} {why}" for degree, why in zip(degrees, problems, strict=True)))
 
 
+def _validated(validation: Any, efficiency: float | None) -> str:
+    """One line: the published runs the step model was held to, not fitted on, and its error there beside a
+    constant's (:mod:`labkit.costmodel.validation`; lesson 11)."""
+    if efficiency is not None:
+        return (f"--efficiency {efficiency} replaces the fitted {validation.EFFICIENCIES[0]}: the model was validated "
+                "on published runs at the fitted value only (lesson 11).")
+    scores = validation.held_out() + [validation.unseen()]
+    errors = "; ".join(f"{score.name} ({len(score.runs)} runs) {100 * score.rms:.1f} points against a constant's "
+                       f"{100 * score.constant_rms:.1f}" for score in scores)
+    return (f"Validated on published runs it was not fitted to (fitted on {len(validation.FIT_SET)} rows of "
+            f"Megatron-LM's H100 table): RMS error of the predicted MFU, {errors} (lesson 11).")
+
+
 def plan(args: argparse.Namespace) -> int:
     """Print the planner's top configurations for a published model shape on a cluster of one GPU kind, each
     term of the predicted step apart (the DP reduction and ZeRO's gathers: what is exposed, and the slowdown of
     the compute that hid the rest), and what each column means."""
     from labkit.costmodel import compute, planner, shapes, validation
 
-    efficiency = validation.EFFICIENCY if args.efficiency is None else args.efficiency
+    efficiency = validation.EFFICIENCIES[0] if args.efficiency is None else args.efficiency
     try:
         _plan_flags(args)
         if args.model not in shapes.MODEL_SHAPES:
@@ -247,7 +266,7 @@ def plan(args: argparse.Namespace) -> int:
         shape = shapes.TransformerShape.preset(args.model)
         if args.seq_len is not None:
             shape = dataclasses.replace(shape, seq_len=args.seq_len)
-        cluster = planner.Cluster(compute.GPUS[args.gpu], args.gpus, efficiency)
+        cluster = planner.Cluster(compute.GPUS[args.gpu], args.gpus, efficiency)  # attention, memory: the fitted
         choices = {} if args.cp is None else {"context_parallel": _degrees("--cp", args.cp)}
         if args.cp is not None:
             _usable_degrees("--cp", choices["context_parallel"],
@@ -269,7 +288,8 @@ def plan(args: argparse.Namespace) -> int:
     margin = cluster.memory_margin
     active = f", {shapes.num_parameters(shape, active=True) / 1e9:.1f}B active" if shape.num_experts else ""
     print(f"{args.model} ({shapes.num_parameters(shape) / 1e9:.1f}B parameters{active}) on {args.gpus} x {args.gpu}, "
-          f"global batch {args.global_batch} x {shape.seq_len} tokens, {efficiency:.1%} of peak on the matrices; "
+          f"global batch {args.global_batch} x {shape.seq_len} tokens, each layer priced kernel by kernel "
+          f"({efficiency:.0%} of peak on large matrix products); "
           f"plans fill at most {cluster.usable_bytes / 1e9:.0f} of {cluster.gpu.memory_bytes / 1e9:.0f} GB a GPU, "
           f"keeping {margin:.0%} for what the memory model does not count (CUDA context, NCCL buffers, the "
           f"allocator's fragmentation: lesson 04): {result.reason()}")
@@ -284,6 +304,7 @@ def plan(args: argparse.Namespace) -> int:
         print(f"{candidate.layout.label():<{wide}} {candidate.step.step_s:>7.3f} {candidate.mfu:>5.0%} "
               f"{candidate.memory['total'] / 1e9:>6.1f}  "
               + " ".join(f"{candidate.step.parts().get(part, 0.0):>8.3f}" for part in parts))
+    print("\n" + textwrap.fill(_validated(validation, args.efficiency), 118))
     width = max(len(name) for name, _ in PLAN_COLUMNS)
     print("\n" + "\n".join(textwrap.fill(meaning, 110, initial_indent=f"{name:>{width}}  ",
                                          subsequent_indent=" " * (width + 2))
@@ -328,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                              help="pipeline schedules to try, e.g. 1f1b,zb-v,dualpipev (default: 1f1b, interleaved, "
                                   "gpipe, zb-h1; also interleaved-zb, zb-v, dualpipev)")
     plan_parser.add_argument("--efficiency", type=float, default=None,
-                             help="fraction of peak the matrices reach (default: lesson 11's fitted one)")
+                             help="fraction of peak large matrix products reach (default: lesson 11's fitted one)")
     plan_parser.set_defaults(run=plan)
     args = parser.parse_args(argv)
     return args.run(args)

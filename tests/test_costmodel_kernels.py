@@ -27,6 +27,7 @@ from labkit.costmodel.rank_memory import layout_memory
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.stages import Layout, chunk_layers, weighted_stage_layers
 from labkit.costmodel.step import predict_step
+from labkit.costmodel.validation import EFFICIENCIES
 from labkit.parallel.context.blockwise import attention_backward, attention_forward, softmax_delta
 
 H100 = GPUS["H100 80GB"]
@@ -135,10 +136,11 @@ def test_kernels_and_a_cluster_refuse_what_they_cannot_price() -> None:
         Kernels(1e15, 1e12, 100, 1.5, 0.5, 0.5)
     with pytest.raises(ValueError, match="multiprocessors"):
         Kernels(1e15, 1e12, 0, 0.5, 0.5, 0.5)
-    assert Cluster(H100, 8, 0.5).kernels() is None  # one efficiency: every FLOP at it
+    assert Cluster(H100, 8, 0.5, None, None).kernels() is None  # one efficiency: every FLOP at it
     assert Cluster(H100, 8, 0.5, 0.6, 0.7).kernels() == Kernels(989e12, 3.35e12, 132, 0.5, 0.6, 0.7)
+    assert Cluster(H100, 8).kernels() == Kernels(989e12, 3.35e12, 132, *EFFICIENCIES)  # the fitted three
     with pytest.raises(ValueError, match="together"):
-        Cluster(H100, 8, 0.5, 0.6)
+        Cluster(H100, 8, 0.5, 0.6, None)
     with pytest.raises(ValueError, match="memory_efficiency"):
         Cluster(H100, 8, 0.5, 0.6, 1.2)
 
@@ -157,7 +159,9 @@ def test_torchtitans_split_weighs_the_embedding_and_the_output_as_a_layer_each()
 def test_a_layout_carries_its_stages_and_refuses_full_and_selective_together() -> None:
     shape = TransformerShape(10, 256, 4, 128, 1000)
     layout = Layout(1, 1, 4, stage_layers=weighted_stage_layers(10, 4))
-    assert chunk_layers(shape, layout) == (2, 3, 3, 2) and "layers 2/3/3/2" in layout.label()
+    assert chunk_layers(shape, layout) == (2, 3, 3, 2) and "layers 2/3x2/2" in layout.label()
+    assert "layers 0/1x126/0" in Layout(1, 8, 16, schedule="interleaved", virtual_stages=8,
+                                       stage_layers=weighted_stage_layers(126, 128)).label()
     assert "selective (attention) recompute" in Layout(1, 1, 1, selective="attention").label()
     with pytest.raises(ValueError, match="exclude each other"):
         Layout(1, 1, 1, recompute=True, selective="op")
@@ -170,13 +174,14 @@ def test_a_layout_carries_its_stages_and_refuses_full_and_selective_together() -
     assert selective == flash  # no score matrix kept
 
 
-def test_the_planner_tries_uneven_pipelines_only_when_asked_and_prices_them() -> None:
+def test_the_planner_tries_uneven_pipelines_and_prices_them() -> None:
     llama = TransformerShape.preset("llama-3-405b")
     shallow = {layout.pp for layout in candidates(llama, 256, 256, micro_batches=(1,), schedules=("1f1b",),
-                                                  zero_stages=(1,), recompute=(False,), tensor_parallel=(8,))}
+                                                  zero_stages=(1,), recompute=(False,), tensor_parallel=(8,),
+                                                  uneven_stages=False)}
     assert shallow == {1, 2}  # 126 layers: only 1 and 2 stages divide them
     uneven = candidates(llama, 256, 256, micro_batches=(1,), schedules=("1f1b", "interleaved"), zero_stages=(1,),
-                        recompute=(False,), tensor_parallel=(8,), pipeline_parallel=(16,), uneven_stages=True)
+                        recompute=(False,), tensor_parallel=(8,), pipeline_parallel=(16,))
     assert {layout.stage_layers[:2] for layout in uneven if layout.schedule == "1f1b"} == {(7, 8)}
     assert any(layout.virtual_stages == 8 and layout.stage_layers == weighted_stage_layers(126, 128)
                for layout in uneven)

@@ -107,8 +107,8 @@ def test_the_reduction_is_never_all_hidden_and_its_latency_grows_with_the_group(
     """On a cluster (planner.Cluster: Megatron's buckets of max(40M, 1M x d) elements, NCCL's latencies, the
     slowdown of hidden communication), the last bucket leaves after the last backward, so the reduction is never
     all hidden, however long the backward; and FSDP's MFU falls as replicas are added at a fixed batch per
-    replica, from 31.5 % on one node to 18.0 % on 128 (ZeRO-3 gathers, each a ring of d hops)."""
-    cluster = Cluster(H100, 64, 0.53)
+    replica, from 31.4 % on one node to 18.0 % on 128 (ZeRO-3 gathers, each a ring of d hops)."""
+    cluster = Cluster(H100, 64)
     step = predict_step(LLAMA70, Layout(8, 8, 1, zero=2, recompute=True), 64, cluster.hardware())
     elements = num_parameters(LLAMA70) / 8
     bucket = max(40_000_000, 8_000_000)
@@ -122,11 +122,11 @@ def test_the_reduction_is_never_all_hidden_and_its_latency_grows_with_the_group(
     mfus = []
     for d in (1, 2, 4, 8, 16, 32, 64, 128):
         layout = Layout(d, 8, 1, zero=3, recompute=True)
-        hardware = Cluster(H100, 8 * d, 0.53).hardware()
+        hardware = Cluster(H100, 8 * d).hardware()
         step = predict_step(LLAMA70, layout, 8 * d, hardware, gradient_bytes=4, overlap_gather=True)
         mfus.append(mfu(model_flops_per_step(LLAMA70, 8 * d), step.step_s, 8 * d, H100.peak_bf16_flops))
     assert mfus == sorted(mfus, reverse=True)
-    assert round(100 * mfus[0], 1) == 31.5 and round(100 * mfus[-1], 1) == 18.0
+    assert round(100 * mfus[0], 1) == 31.4 and round(100 * mfus[-1], 1) == 18.0
 
 
 def test_nccl_latency_is_a_call_and_a_ring_step_each_hop():

@@ -1,6 +1,7 @@
-"""Lesson 11's step model held out of sample (labkit.costmodel.validation): fitted on the Megatron-LM README's H100
-table, scored on Narayanan et al. 2021's Table 1 (A100) and Llama 3's Table 4, beside two constant baselines, as
-the module docstring pre-registers; and the planner beside Narayanan et al.'s choices.
+"""Lesson 11's step model held out of sample (labkit.costmodel.validation): its three kernel efficiencies fitted on
+the Megatron-LM README's H100 table, scored on Narayanan et al. 2021's Table 1 (A100), Llama 3's Table 4, MosaicML's
+MPT table and 25 unseen rows published 2022-2024, beside two constant baselines, as the module docstring
+pre-registers; the earlier one-efficiency model beside it; and the planner beside Narayanan et al.'s choices.
 
 Run with ``pytest -s`` to see every row's measured, predicted and baseline MFU.
 """
@@ -16,15 +17,14 @@ from labkit.costmodel.compute import GPUS, narayanan_flops
 from labkit.costmodel.published import LLAMA3_405B, MEGATRON_WEAK_SCALING, NARAYANAN_2021
 from labkit.costmodel.shapes import num_parameters
 from labkit.costmodel.validation import (
-    EFFICIENCY,
     FIT_SET,
+    FLOP_EFFICIENCY,
     SPEARMAN_CRITICAL,
     executed_ratio,
     fit_efficiency,
     held_out,
     leave_one_out,
     planner_agreement,
-    predict,
     score,
     squared_error,
 )
@@ -73,61 +73,72 @@ def test_narayanan_runs_are_modelled_as_the_paper_ran_them():
 # The fit, and the scores
 
 
-def test_the_efficiency_is_the_least_squares_fit_on_the_fit_set_alone():
+def test_the_earlier_models_efficiency_is_the_least_squares_fit_on_the_fit_set_alone():
     fitted = fit_efficiency(FIT_SET)
-    assert round(fitted, 3) == EFFICIENCY == 0.530
-    here = squared_error(EFFICIENCY, FIT_SET)
-    assert here <= squared_error(EFFICIENCY - 0.002, FIT_SET) and here <= squared_error(EFFICIENCY + 0.002, FIT_SET)
+    assert round(fitted, 3) == FLOP_EFFICIENCY == 0.530
+    here = squared_error(FLOP_EFFICIENCY, FIT_SET)
+    assert here <= squared_error(FLOP_EFFICIENCY - 0.002, FIT_SET)
+    assert here <= squared_error(FLOP_EFFICIENCY + 0.002, FIT_SET)
     assert all(run not in FIT_SET for runs in validation.HELD_OUT.values() for run in runs)
+    assert all(run not in FIT_SET for runs in validation.UNSEEN.values() for run in runs)
 
 
-# The pre-registered scores (the module docstring), as first computed: a change of the model shows here.
-HELD_OUT_SCORES = {  # set: (model RMS, constant RMS, constant-HFU RMS, rank correlation), MFU points
-    "Narayanan et al. 2021 (A100)": (3.19, 10.34, 2.70, 0.248),
-    "Llama 3 405B (H100)": (0.13, 3.65, 3.65, None),
+# The scores (the module docstring's), as first computed: a change of the model shows here.  Each set: (model RMS,
+# constant RMS, constant-HFU RMS, rank correlation, share within 5 points), MFU points; the kernel model, then
+# the earlier one-efficiency model.
+HELD_OUT_SCORES = {
+    "Narayanan et al. 2021 (A100)": ((5.02, 10.34, 2.70, 0.782, 0.70), (3.19, 10.34, 2.70, 0.248, 0.80)),
+    "Llama 3 405B (H100)": ((2.81, 3.65, 3.65, None, 1.00), (0.13, 3.65, 3.65, None, 1.00)),
+    "MosaicML MPT, FSDP (H100)": ((4.72, 5.46, 5.99, 0.280, 0.65), (9.53, 5.46, 5.99, -0.003, 0.25)),
+    "published 2022-2024 (unseen)": ((7.93, 10.34, 9.12, 0.648, 0.36), (9.25, 10.34, 9.12, 0.512, 0.48)),
 }
 
 
-def test_held_out_scores_beside_the_constant_baselines():
-    """Pre-registered verdicts: on Narayanan et al.'s 10 A100 rows the model beats the constant (the fit set's
-    mean MFU) but not the constant hardware-FLOPs utilisation, and does not order the rows (rho 0.25 < 0.564);
-    on Llama 3's 2 rows it beats both (no order can be claimed on two rows)."""
-    scores = {result.name: result for result in held_out()}
-    for name, (rms, constant, hardware, rho) in HELD_OUT_SCORES.items():
-        result = scores[name]
-        _show(result)
-        assert round(100 * result.rms, 2) == rms and round(100 * result.constant_rms, 2) == constant
-        assert round(100 * result.hardware_constant_rms, 2) == hardware
-        assert (result.rank_correlation is None) == (rho is None)
-        if rho is not None:
-            assert round(result.rank_correlation, 3) == rho
+def _check(result, expected) -> None:
+    rms, constant, hardware, rho, within = expected
+    _show(result)
+    assert round(100 * result.rms, 2) == rms and round(100 * result.constant_rms, 2) == constant
+    assert round(100 * result.hardware_constant_rms, 2) == hardware and round(result.within(), 2) == within
+    assert (result.rank_correlation is None) == (rho is None)
+    if rho is not None:
+        assert round(result.rank_correlation, 3) == rho
+
+
+@pytest.mark.parametrize("model", ["kernels", "flops"])
+def test_held_out_and_unseen_scores_beside_the_constant_baselines(model):
+    """The verdicts lesson 11 prints.  The kernel model beats the constant on every set it was not fitted to, and
+    the constant HFU on all but Narayanan et al.'s (5.0 points against 2.7); it orders Narayanan et al.'s rows
+    and the unseen ones (rho above the 5 % critical value), not MPT's.  The earlier model lost to both
+    constants on MPT's table and to the constant HFU on the unseen rows."""
+    efficiency = validation.EFFICIENCIES if model == "kernels" else FLOP_EFFICIENCY
+    scores = {result.name: result for result in held_out(efficiency) + [validation.unseen(efficiency)]}
+    for name, expected in HELD_OUT_SCORES.items():
+        _check(scores[name], expected[model == "flops"])
     narayanan, llama = scores["Narayanan et al. 2021 (A100)"], scores["Llama 3 405B (H100)"]
-    assert narayanan.beats_constant and not narayanan.beats_hardware_constant and not narayanan.orders_the_runs
-    assert narayanan.critical == SPEARMAN_CRITICAL[10] == 0.564
+    mpt, unseen = scores["MosaicML MPT, FSDP (H100)"], scores["published 2022-2024 (unseen)"]
+    assert narayanan.critical == SPEARMAN_CRITICAL[10] == 0.564 and unseen.critical == SPEARMAN_CRITICAL[25]
     assert llama.beats_constant and llama.beats_hardware_constant and not llama.orders_the_runs
+    if model == "kernels":
+        assert all(result.beats_constant for result in scores.values())
+        assert [name for name, result in scores.items() if not result.beats_hardware_constant] == [narayanan.name]
+        assert narayanan.orders_the_runs and unseen.orders_the_runs and not mpt.orders_the_runs
+    else:
+        assert not mpt.beats_constant and not unseen.beats_hardware_constant and not narayanan.orders_the_runs
 
 
 def test_in_sample_and_leave_one_out_the_constant_wins_on_the_fit_set():
-    """On the table it was fitted to, the model's RMS error (5.94 points) is twice the constant's (2.68), and
-    left out one at a time each row is predicted worse still (6.44 against 3.01); the rank correlation is 0.0
-    and -0.03: the model does not order the fit set's rows."""
+    """On the table it was fitted to, the model's RMS error (5.05 points) is about twice the constant's (2.68),
+    and left out one at a time each row is predicted worse still (5.99 against 3.01); it does not order the fit
+    set's rows.  Its 16B and 32B rows (pp = 1, 48 replicas reducing fp32 gradients across nodes) are where it
+    falls furthest below the measurement."""
     in_sample = score("fit set", FIT_SET)
-    _show(in_sample)
-    assert round(100 * in_sample.rms, 2) == 5.94 and round(100 * in_sample.constant_rms, 2) == 2.68
-    assert in_sample.rank_correlation == 0.0
+    _check(in_sample, (5.05, 2.68, 2.68, 0.383, 0.78))
+    worst = sorted(zip(in_sample.runs, in_sample.predicted, in_sample.measured, strict=True),
+                   key=lambda row: row[1] - row[2])[:2]
+    assert {run.parameters for run, _, _ in worst} == {"16B", "32B"}
     left_out = leave_one_out()
-    _show(left_out)
-    assert round(100 * left_out.rms, 2) == 6.44 and round(100 * left_out.constant_rms, 2) == 3.01
-    assert round(left_out.rank_correlation, 3) == -0.033
+    _check(left_out, (5.99, 3.01, 3.01, -0.050, 0.67))
     assert not left_out.beats_constant and not left_out.orders_the_runs and left_out.critical == 0.600
-
-
-def test_leave_one_out_by_interpolation_is_the_exact_fit_within_two_hundredths_of_a_point():
-    left_out = leave_one_out()
-    for index in (0, 3, 8):  # the smallest, the worst predicted, the largest
-        others = [run for k, run in enumerate(FIT_SET) if k != index]
-        exact = predict(FIT_SET[index], fit_efficiency(others))[1]
-        assert abs(exact - left_out.predicted[index]) < 2e-4, FIT_SET[index].name
 
 
 def test_the_baselines_are_the_fit_sets_mean_and_that_mean_times_the_executed_share():
@@ -143,12 +154,12 @@ def test_the_baselines_are_the_fit_sets_mean_and_that_mean_times_the_executed_sh
 # The planner beside Narayanan et al.'s (t, p)
 
 # What the planner picks for each row, restricted to the study's options (validation.NARAYANAN_OPTIONS): the
-# published (t, p) in 3 rows, within 5 % by its own numbers in 4 more; in 3 (7.5B, 18.4B, 39.1B) it prefers less
-# TP and a deeper interleaved pipeline, by 7-15 %.
-PLANNER_PICKS = {"1.7B (A100)": (1, 1), "3.6B (A100)": (1, 2), "7.5B (A100)": (2, 2), "18.4B (A100)": (2, 4),
+# published (t, p) in 3 rows, within 5 % by its own numbers in 5 more (8 of 10 agree); in 2 (18.4B, 39.1B) it
+# prefers less TP and a deeper interleaved pipeline, by 7-12 %.
+PLANNER_PICKS = {"1.7B (A100)": (1, 1), "3.6B (A100)": (1, 4), "7.5B (A100)": (2, 2), "18.4B (A100)": (2, 4),
                  "39.1B (A100)": (4, 4), "76.1B (A100)": (8, 4), "145.6B (A100)": (4, 16),
                  "310.1B (A100)": (8, 12), "529.6B (A100)": (8, 21), "1008.0B (A100)": (8, 64)}
-DISAGREES = {"7.5B (A100)", "18.4B (A100)", "39.1B (A100)"}
+DISAGREES = {"18.4B (A100)", "39.1B (A100)"}
 
 
 @pytest.mark.parametrize("run", NARAYANAN_2021, ids=[run.name for run in NARAYANAN_2021])
@@ -161,8 +172,8 @@ def test_the_planner_beside_narayanans_choices(run):
     assert agreement.same == (agreement.picked == (run.tp, run.pp))
     assert agreement.agrees == (run.name not in DISAGREES)
     if run.name in DISAGREES:
-        assert best.layout.tp < run.tp and best.layout.pp > run.pp and 0.05 < agreement.slower < 0.16
-    assert agreement.published_memory <= run.cluster(EFFICIENCY).usable_bytes  # the published layout fits
+        assert best.layout.tp < run.tp and best.layout.pp > run.pp and 0.05 < agreement.slower < 0.13
+    assert agreement.published_memory <= run.cluster(validation.EFFICIENCIES).usable_bytes  # the layout fits
     assert not math.isnan(agreement.slower)
 
 
@@ -180,15 +191,32 @@ def test_mosaic_fsdp_rows_count_the_tables_parameters_and_mfu():
         assert (run.tp, run.pp, run.dp, run.zero) == (1, 1, run.gpus, 3)
 
 
-def test_the_unseen_set_is_scored_by_the_rules_written_down_first():
-    """What lesson 11 claims on the unseen set: the model loses to both constants, does not order the rows
-    (rho below the 5 % critical value for 20), and misses the scaling changes by more than 'no change' does."""
-    scored = validation.unseen()
-    assert len(scored.runs) == 20 and scored.critical == 0.380
-    assert not scored.beats_constant and not scored.beats_hardware_constant and not scored.orders_the_runs
-    changes = validation.scaling_changes(scored)
+def test_mpts_scaling_with_the_gpus_is_followed_a_little_better_than_no_change():
+    """For each MPT size timed on more than one GPU count, the change of MFU from its fewest GPUs to its most: the
+    kernel model misses them by less in all (17.9 points) than predicting no change (18.9)."""
+    (mpt,) = [result for result in held_out() if result.name.startswith("MosaicML")]
+    assert len(mpt.runs) == 20 and mpt.critical == 0.380
+    changes = validation.scaling_changes(mpt)
     assert {size for size, _, _ in changes} == {"70b", "30b", "13b", "3b", "1b", "760m"}
-    assert sum(abs(m) for _, _, m in changes) < sum(abs(p - m) for _, p, m in changes)
+    missed, flat = sum(abs(p - m) for _, p, m in changes), sum(abs(m) for _, _, m in changes)
+    assert missed < flat and (round(100 * missed, 1), round(100 * flat, 1)) == (17.9, 18.9)
+
+
+def test_the_unseen_set_was_transcribed_before_it_was_predicted_and_is_every_source_row():
+    from labkit.costmodel.published_recent import (
+        BLOOM_176B,
+        KORTHIKANTI_2022,
+        MTNLG_530B,
+        RECENT_RUNS,
+        TORCHTITAN_A100,
+        TORCHTITAN_H100,
+    )
+
+    (runs,) = validation.UNSEEN.values()
+    assert runs == RECENT_RUNS and len(runs) == 25
+    assert len(TORCHTITAN_H100) + len(TORCHTITAN_A100) + len(KORTHIKANTI_2022) + len(MTNLG_530B) \
+        + len(BLOOM_176B) == 25
+    assert not any(run.float8 for run in runs)  # the float8 context-parallel rows are kept apart
 
 
 def test_strong_scaling_beside_the_constant():

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from labkit.costmodel import hardware
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPU, mfu, model_flops_per_step
-from labkit.costmodel.kernels import Kernels
+from labkit.costmodel.kernels import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, MEMORY_EFFICIENCY, Kernels
 from labkit.costmodel.rank_memory import layout_memory
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.stages import (
@@ -56,6 +56,9 @@ from labkit.parallel.context.sequence import padded_length
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")  # tried by default
 ALL_SCHEDULES = SCHEDULES + ("interleaved-zb", "zb-v", "dualpipev")  # those of 2024-25 on request (schedules=)
+# From this many tokens a sequence, the planner tries context parallelism even when a layout fits without it: the
+# lengths published runs split (torchtitan's context-parallel table starts at 32k tokens, Llama 3's at 131k)
+LONG_CONTEXT = 32_768
 MEMORY_MARGIN = 0.10  # of the device kept free for what the memory model does not count (module docstring)
 # Megatron-Core's gradient buckets: DistributedDataParallelConfig.bucket_size, "max(40000000, 1000000 * dp_size)
 # parameters (larger DP sizes need larger buckets to ensure collectives do not become latency-bound)".
@@ -66,16 +69,18 @@ DP_BUCKET_ELEMENTS = 40_000_000
 class Cluster:
     """``num_gpus`` GPUs of one kind: its peak, memory and links (:data:`labkit.costmodel.compute.GPUS`), the
     fraction ``efficiency`` of the peak its matrices reach, each link's latency, and the share of each GPU's
-    memory a plan leaves free (``memory_margin``, :data:`MEMORY_MARGIN`).  With ``attention_efficiency`` and
-    ``memory_efficiency`` too, each layer is priced kernel by kernel (:meth:`kernels`,
-    :data:`labkit.costmodel.validation.EFFICIENCIES` the fitted three); without, every FLOP of the Megatron
-    count runs at ``efficiency`` of the peak."""
+    memory a plan leaves free (``memory_margin``, :data:`MEMORY_MARGIN`).  Each layer is priced kernel by kernel
+    (:meth:`kernels`): ``efficiency`` is the fraction of the peak large matrix products reach,
+    ``attention_efficiency`` a flash kernel's, ``memory_efficiency`` the fraction of the HBM bandwidth the
+    memory-bound operations reach (defaults: the three fitted to published runs,
+    :data:`labkit.costmodel.validation.EFFICIENCIES`).  With ``attention_efficiency=None,
+    memory_efficiency=None``, the earlier model: every FLOP of the Megatron count at ``efficiency``."""
 
     gpu: GPU
     num_gpus: int
-    efficiency: float = 0.5
-    attention_efficiency: float | None = None
-    memory_efficiency: float | None = None
+    efficiency: float = GEMM_EFFICIENCY
+    attention_efficiency: float | None = ATTENTION_EFFICIENCY
+    memory_efficiency: float | None = MEMORY_EFFICIENCY
     intra_latency_s: float = hardware.NVLINK_LATENCY_S
     inter_latency_s: float = hardware.INFINIBAND_LATENCY_S
     memory_margin: float = MEMORY_MARGIN
@@ -234,11 +239,11 @@ def uneven_layers(shape: TransformerShape, p: int, schedule: str, v: int) -> tup
 
 
 def candidates(shape: TransformerShape, num_gpus: int, global_batch: int, micro_batches=(1, 2, 4, 8),
-               schedules=SCHEDULES, zero_stages=(0, 1, 2, 3), recompute=(False, True),
+               schedules=SCHEDULES, zero_stages=(0, 1, 2, 3), recompute=(False, "selective", True),
                virtual_stages: int | tuple[int, ...] | None = None, tensor_parallel: tuple[int, ...] | None = None,
                pipeline_parallel: tuple[int, ...] | None = None, context_parallel: tuple[int, ...] = (1,),
                cp_strategy: str = "ring", expert_parallel: tuple[int, ...] | None = None,
-               uneven_stages: bool = False) -> list[Layout]:
+               uneven_stages: bool = True) -> list[Layout]:
     """Every layout whose degrees divide what they split (see the module docstring), a ZeRO stage only where
     there are replicas to partition over (``d = 1``: the lowest stage asked for), and ZeRO-2 only where it differs
     from ZeRO-1 (``m = 1``: under accumulation it holds whole gradients and sends what ZeRO-1 sends).
@@ -309,13 +314,17 @@ def plan(shape: TransformerShape, cluster: Cluster, global_batch: int, top: int 
                              gradient_bytes=gradient_bytes)["total"] <= cluster.usable_bytes
 
     tried_cp = choices.get("context_parallel", (1,))
-    if "context_parallel" not in choices and not any(fits(layout) for layout in layouts):
-        # Nothing fits without context parallelism: try it (powers of two that cut the sequence into 2 cp chunks),
-        # and keep what it adds only if something then fits (else the answer, and its reason, stay without it).
+    if "context_parallel" not in choices and (shape.seq_len >= LONG_CONTEXT
+                                              or not any(fits(layout) for layout in layouts)):
+        # Nothing fits without context parallelism, or the sequences are long: try it (powers of two that cut the
+        # sequence into 2 cp chunks), and keep what it adds only if something then fits (else the answer, and its
+        # reason, stay without it).
         degrees = tuple(cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp <= cluster.num_gpus)
         with_cp = candidates(shape, cluster.num_gpus, global_batch, context_parallel=degrees, **choices)
         layouts = with_cp if any(fits(layout) for layout in with_cp if layout.cp > 1) else layouts
         tried_cp = degrees
+    if flash_attention:  # a flash kernel keeps no scores and recomputes them anyway: selective is no recomputation
+        layouts = [layout for layout in layouts if layout.selective != "attention"]
     hardware = cluster.hardware()
     fitting, smallest = [], math.inf
     memory_options = {"flash_attention": flash_attention, "dropout": dropout, "gradient_bytes": gradient_bytes}

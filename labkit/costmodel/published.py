@@ -285,11 +285,11 @@ class PublishedRun:
         return layout_memory(self.shape(), layout, self.global_batch, stage_layers=layers, **self.memory_options())
 
     def cluster(self, efficiency: float | tuple[float, float, float]) -> Cluster:
-        """The run's GPUs (:data:`labkit.costmodel.compute.GPUS`) at ``efficiency`` of peak on the matrices, or
-        ``(matrices, attention, memory)``: the three of :class:`~labkit.costmodel.kernels.Kernels`."""
+        """The run's GPUs (:data:`labkit.costmodel.compute.GPUS`) at ``(matrices, attention, memory)`` efficiencies
+        (:class:`~labkit.costmodel.kernels.Kernels`), or with one number every FLOP at it (the earlier model)."""
         if self.gpu not in GPUS:
             raise ValueError(f"{self.name}: unknown GPU {self.gpu!r}; choose one of {sorted(GPUS)}")
-        rates = (efficiency,) if isinstance(efficiency, (int, float)) else tuple(efficiency)
+        rates = (efficiency, None, None) if isinstance(efficiency, (int, float)) else tuple(efficiency)
         return Cluster(GPUS[self.gpu], self.gpus, *rates)
 
     def model_flops(self) -> float:

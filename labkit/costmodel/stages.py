@@ -34,6 +34,17 @@ from labkit.degrees import check_degree, check_degrees
 from labkit.parallel.pipeline.catalog import V_SHAPED
 from labkit.parallel.pipeline.schedule import stage_rank
 
+def _runs(counts: tuple[int, ...]) -> str:
+    """``(0, 1, 1, 1, 0)`` as ``"0/1x3/0"``: each run of equal counts once, with its length."""
+    runs: list[list[int]] = []
+    for count in counts:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    return "/".join(f"{count}x{length}" if length > 1 else str(count) for count, length in runs)
+
+
 SELECTIVE = ("", "attention", "op", "layer")  # Layout.selective: what a selective recomputation reruns
 
 
@@ -113,7 +124,7 @@ class Layout:
         extra = f" v={self.virtual_stages}" if self.schedule.startswith("interleaved") else ""
         context = f" cp={self.cp} ({self.cp_strategy})" if self.cp > 1 else ""
         context += f" ep={self.ep}" if self.ep > 1 else ""
-        extra += "" if self.stage_layers is None else f" layers {'/'.join(map(str, self.stage_layers))}"
+        extra += "" if self.stage_layers is None else f" layers {_runs(self.stage_layers)}"
         return (f"dp={self.dp} tp={self.tp} pp={self.pp}{context} ZeRO-{self.zero} b={self.micro_batch}"
                 f"{' recompute' if self.recompute else f' selective ({self.selective}) recompute' if self.selective else ''} "
                 f"{self.schedule}{extra}")

@@ -23,7 +23,6 @@ from labkit.costmodel.compute import GPUS
 from labkit.costmodel.planner import Cluster
 from labkit.costmodel.shapes import TransformerShape
 from labkit.costmodel.step import Hardware, Layout
-from labkit.costmodel.validation import EFFICIENCY
 from labkit.parallel.context.sequence import Tiles, block_slices, chunk_positions, tile_kind
 from labkit.viz.plots import RANK_COLORS, figure_to_png
 from labkit.viz.widgets import ROW, connect
@@ -277,9 +276,9 @@ LINKS = ("InfiniBand", "NVLink", "as placed")  # the cp group's link in lesson 1
 
 
 def lesson_cluster() -> Cluster:
-    """The H100s lesson 13 prices, figure and table alike: one node of the planner's cluster at the efficiency
-    fitted on published runs (:data:`labkit.costmodel.validation.EFFICIENCY`)."""
-    return Cluster(H100, H100.gpus_per_node, EFFICIENCY)
+    """The H100s lesson 13 prices, figure and table alike: one node of the planner's cluster at the efficiencies
+    fitted on published runs (:data:`labkit.costmodel.validation.EFFICIENCIES`)."""
+    return Cluster(H100, H100.gpus_per_node)
 
 
 def plot_strategy_costs(cp: int = 8, tp: int = 1, link: str = "InfiniBand", kv_heads: int = 8,

@@ -31,7 +31,9 @@ GB = 1e9
 # The terms of StepTime.parts(), in the order a step is drawn (colours apart from the memory parts beside them).
 STEP_PARTS = {"compute": ("compute", "#1F4E79"), "tp": ("TP all-reduces", "#E69F00"),
               "bubble": ("pipeline bubble", "#CCB974"), "pp send": ("pipeline sends", "#C44E52"),
-              "dp": ("DP reduction (exposed, and slowing compute)", "#17BECF"), "zero": ("ZeRO gathers", "#8C564B")}
+              "dp": ("DP reduction (exposed, and slowing compute)", "#17BECF"), "zero": ("ZeRO gathers", "#8C564B"),
+              "cp": ("CP exchange (exposed)", "#9467BD"), "ep": ("EP all-to-alls", "#E377C2"),
+              "optimizer": ("optimizer step", "#7F7F7F")}
 PREDICTED_COLOR, PUBLISHED_COLOR = "#0072B2", "#D55E00"  # Okabe & Ito: blue, vermillion
 
 
@@ -70,6 +72,8 @@ def plot_plan(result: Any, device_memory_bytes: float | None = None,
         left = [0.0] * len(rows)
         for key, (name, color) in parts.items():
             values = [values_of(row, key) for row in rows]
+            if not any(values):  # a term no candidate has (cp, ep): no bar, no legend entry
+                continue
             axis.barh(positions, values, left=left, height=0.62, color=color, edgecolor="white", linewidth=0.5,
                       label=name)
             left = [start + value for start, value in zip(left, values, strict=True)]
@@ -96,7 +100,7 @@ def plot_plan(result: Any, device_memory_bytes: float | None = None,
     memory_axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.5 / (1 + 0.3 * len(rows))),
                        ncol=2, frameon=False)
 
-    steps = stack(time_axis, lambda row, key: row.step.parts()[key], STEP_PARTS)
+    steps = stack(time_axis, lambda row, key: row.step.parts().get(key, 0.0), STEP_PARTS)
     for position, row, total in zip(positions, rows, steps, strict=True):
         time_axis.text(total, position, f" {total:.3g} s, MFU {row.mfu:.1%}", va="center", fontsize=7)
     time_axis.set_xlim(0, 1.3 * max(steps))

@@ -11,7 +11,6 @@ from labkit.costmodel import compute
 from labkit.costmodel.planner import Cluster, plan
 from labkit.costmodel.published import MEGATRON_WEAK_SCALING
 from labkit.costmodel.shapes import MODEL_SHAPES, num_parameters
-from labkit.costmodel.validation import EFFICIENCY
 from labkit.viz import plan_plots
 from labkit.viz.plots import figure_to_png
 from labkit.viz.widgets import ROW, connect
@@ -35,7 +34,8 @@ def plan_explorer(model: str = "gpt3-175b", device: str = "H100 80GB", gpus: int
     """Choose a model (:data:`labkit.costmodel.shapes.MODEL_SHAPES`), a device
     (:data:`labkit.costmodel.compute.GPUS`), the number of GPUs, the global batch (sequences) and the sequence
     length: the planner's :data:`TOP` fastest layouts that fit (:func:`~labkit.viz.plan_plots.plot_plan`),
-    their matrices at the efficiency fitted to published runs (:data:`labkit.costmodel.validation.EFFICIENCY`),
+    each layer priced kernel by kernel at the efficiencies fitted to published runs
+    (:data:`labkit.costmodel.validation.EFFICIENCIES`),
     run as Megatron-LM's README runs were (:data:`RUN_AS`), searched over :data:`CHOICES`."""
     model_choice = widgets.Dropdown(options=[(f"{name} ({num_parameters(shape) / 1e9:.3g}B)", name)
                                              for name, shape in MODEL_SHAPES.items()], value=model, description="model")
@@ -53,9 +53,9 @@ def plan_explorer(model: str = "gpt3-175b", device: str = "H100 80GB", gpus: int
         gpu = compute.GPUS[device_choice.value]
         shape = dataclasses.replace(MODEL_SHAPES[name], seq_len=length)
         title = (f"{name}, {batch} sequences of {length} tokens a step, on {n} {gpu.name} GPUs: the fastest "
-                 f"layouts that fit (matrices at {EFFICIENCY:.0%} of peak)")
+                 f"layouts that fit (the kernel model fitted to published runs)")
         try:
-            result = plan(shape, Cluster(gpu, n, EFFICIENCY), batch, top=TOP, **CHOICES, **RUN_AS)
+            result = plan(shape, Cluster(gpu, n), batch, top=TOP, **CHOICES, **RUN_AS)
         except ValueError as error:  # the library's refusal, named
             summary.value = f"<small><b>ValueError</b>: {error}</small>"
             figure = Figure(figsize=(12, 1.6))
