@@ -34,6 +34,7 @@ from labkit.degrees import check_degree, check_degrees
 from labkit.parallel.pipeline.catalog import V_SHAPED
 from labkit.parallel.pipeline.schedule import stage_rank
 
+
 def _runs(counts: tuple[int, ...]) -> str:
     """``(0, 1, 1, 1, 0)`` as ``"0/1x3/0"``: each run of equal counts once, with its length."""
     runs: list[list[int]] = []
