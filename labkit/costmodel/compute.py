@@ -85,7 +85,7 @@ def matmul_parameters_per_layer(shape: Any) -> float:
 
 
 def model_flops_per_step(shape: Any, global_batch: int, seq_len: int | None = None,
-                         recompute: bool = False) -> float:
+                         recompute: bool = False, causal: bool = False) -> float:
     """FLOPs of one training step over ``global_batch`` sequences of ``seq_len`` tokens (default: the shape's).
 
     Counted as Narayanan et al. 2021 (section 5.1, "Efficient Large-Scale Language Model Training on GPU
@@ -95,9 +95,12 @@ def model_flops_per_step(shape: Any, global_batch: int, seq_len: int | None = No
     forward once more.  For GPT's shape (``f = 4h``, no grouped-query attention) this is their
     ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` with recomputation and ``72 B s l h^2 (1 + s / 6h + V / 12 l h)``
     without (:func:`narayanan_flops`).  MFU counts the step without recomputation (the model's FLOPs), whatever
-    the run recomputed; the FLOPs a GPU actually executed (HFU) include it.
+    the run recomputed; the FLOPs a GPU actually executed (HFU) include it.  ``causal``: attention counted over the
+    ``s (s + 1) / 2`` query-key pairs the causal mask leaves, the work a causal kernel does (about half of
+    Megatron's count's at long sequences): not the MFU's count, but what the time follows.
     """
-    layer_forward, logits_forward = layer_flops(shape, global_batch, seq_len), head_flops(shape, global_batch, seq_len)
+    layer_forward = layer_flops(shape, global_batch, seq_len, causal)
+    logits_forward = head_flops(shape, global_batch, seq_len)
     return shape.num_layers * layer_forward * (4 if recompute else 3) + 3 * logits_forward
 
 
@@ -107,10 +110,12 @@ def _tokens(global_batch: int, seq_len: int) -> int:
     return global_batch * seq_len
 
 
-def layer_flops(shape: Any, global_batch: int, seq_len: int | None = None) -> float:
-    """One layer's forward FLOPs over ``global_batch`` sequences (:func:`model_flops_per_step`'s count)."""
+def layer_flops(shape: Any, global_batch: int, seq_len: int | None = None, causal: bool = False) -> float:
+    """One layer's forward FLOPs over ``global_batch`` sequences (:func:`model_flops_per_step`'s count; with
+    ``causal``, each query's attention over the ``(s + 1) / 2`` keys it sees on average, not all ``s``)."""
     s = shape.seq_len if seq_len is None else seq_len
-    return _tokens(global_batch, s) * (2 * matmul_parameters_per_layer(shape) + 2 * s * attention_width(shape))
+    keys = (s + 1) / 2 if causal else s
+    return _tokens(global_batch, s) * (2 * matmul_parameters_per_layer(shape) + 2 * keys * attention_width(shape))
 
 
 def attention_width(shape: Any) -> int:

@@ -163,13 +163,15 @@ class LayerTime:
     """One layer's seconds on one GPU for one micro-batch: ``forward``, ``backward`` (without recomputation),
     and the parts of the forward that a selective recomputation may rerun in the backward:
     ``attention_forward``, the unfused attention core (0 with a flash kernel, which recomputes its scores
-    anyway), ``products_forward`` the matrix products and ``elementwise_forward`` the memory-bound operations."""
+    anyway), ``products_forward`` the matrix products and ``elementwise_forward`` the memory-bound operations
+    (which move twice those bytes backward); ``products_backward``, the products' gradients."""
 
     forward: float
     backward: float
     attention_forward: float = 0.0
     products_forward: float = 0.0
     elementwise_forward: float = 0.0
+    products_backward: float = 0.0
 
 
 def attention_time(kernels: Kernels, shape: Any, batch: int, seq_len: int, tp: int, cp: int, flash: bool,
@@ -236,7 +238,7 @@ def layer_time(kernels: Kernels, shape: Any, batch: int, tp: int = 1, cp: int = 
     elementwise = kernels.memory_s(elementwise_bytes(shape, tokens, t, sequence_parallel and t > 1, dropout,
                                                      value_bytes, moe))
     return LayerTime(forward + attention_forward + elementwise, backward + attention_backward + 2 * elementwise,
-                     0.0 if flash_attention else attention_forward, forward, elementwise)
+                     0.0 if flash_attention else attention_forward, forward, elementwise, backward)
 
 
 def head_time(kernels: Kernels, shape: Any, batch: int, tp: int = 1, cp: int = 1, value_bytes: int = 2

@@ -49,6 +49,7 @@ Lesson 11 claims exactly what passes, and says plainly what does not.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 from labkit.costmodel.calibration import rank_correlation
 from labkit.costmodel.compute import GPUS, mfu, model_flops_per_step
 from labkit.costmodel.kernels import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, MEMORY_EFFICIENCY
-from labkit.costmodel.planner import PlanResult, plan
+from labkit.costmodel.planner import Cluster, PlanResult, plan
 from labkit.costmodel.published import (
     LLAMA3_405B,
     MEGATRON_STRONG_SCALING,
@@ -66,7 +67,8 @@ from labkit.costmodel.published import (
     strong_scaling_run,
 )
 from labkit.costmodel.published_fsdp import MOSAIC_FSDP
-from labkit.costmodel.published_recent import RECENT_RUNS
+from labkit.costmodel.published_recent import DEEPSEEK_V3, RECENT_RUNS
+from labkit.costmodel.stages import Layout, weighted_stage_layers
 from labkit.costmodel.step import StepTime, predict_step
 
 FIT_SET = MEGATRON_WEAK_SCALING
@@ -344,3 +346,32 @@ def planner_agreement(run: PublishedRun, efficiency: float | Efficiencies = EFFI
     mine = plan(run.shape(), cluster, run.global_batch, top=1, tensor_parallel=(run.tp,),
                 pipeline_parallel=(run.pp,), **run_as, **options)
     return Agreement(run, result, None if mine.best is None else mine.best.step, run.memory()["total"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# A mixture of experts held out: DeepSeek-V3's pre-training throughput
+
+
+def deepseek_v3(efficiency: Efficiencies = EFFICIENCIES, fp8_products: bool = False, micro_batch: int = 1
+                ) -> tuple[StepTime, float]:
+    """DeepSeek-V3's pre-training step at its published layout (:data:`~labkit.costmodel.published_recent.DEEPSEEK_V3`:
+    2,048 H800s, 16 pipeline stages under DualPipe, here labkit's DualPipeV, 32 chunks split as torchtitan
+    splits 61 layers; expert parallelism over 64 GPUs with node-limited routing, ZeRO-1 over the replicas, no TP;
+    sequences of 4,096 tokens, the batch of 15,360 after its ramp, micro-batches of ``micro_batch``, not
+    published), and the GPU hours per trillion tokens it implies.  labkit prices 16-bit products; DeepSeek-V3
+    ran most of them in FP8 (``fp8_products``: the products' peak doubled, FP8's dense rate on Hopper, attention
+    and everything else as before), and DualPipe overlaps the all-to-alls with another micro-batch's compute
+    where labkit's schedules leave them on the critical path: the two caveats go in opposite directions."""
+    run = DEEPSEEK_V3
+    shape = run.shape()
+    cluster = Cluster(GPUS[run.gpu], run.gpus, *efficiency)
+    hardware = cluster.hardware()
+    if fp8_products:
+        hardware = dataclasses.replace(hardware, kernels=dataclasses.replace(
+            hardware.kernels, peak_flops=2 * hardware.kernels.peak_flops))
+    chunks = 2 * run.pp
+    layout = Layout(run.dp, run.tp, run.pp, run.zero, micro_batch, schedule="dualpipev", virtual_stages=2,
+                    ep=run.ep, stage_layers=weighted_stage_layers(shape.num_layers, chunks))
+    step = predict_step(shape, layout, run.global_batch, hardware, gradient_bytes=4)
+    tokens = run.global_batch * run.seq_len
+    return step, run.gpus * step.step_s / 3600 * 1e12 / tokens
