@@ -216,3 +216,52 @@ def test_a_shape_with_latent_attention_is_priced() -> None:
     shape = dataclasses.replace(TransformerShape.preset("deepseek-v3"), seq_len=4096)
     layer = layer_time(KERNELS, shape, 1, tp=1, ep=8, moe=True)
     assert math.isfinite(layer.forward) and layer.backward > layer.forward > 0
+
+
+def test_the_causal_count_is_the_pairs_a_causal_kernel_sees() -> None:
+    from labkit.costmodel.compute import model_flops_per_step
+
+    shape = TransformerShape(2, 256, 4, 1024, 1000)
+    head = shape.hidden_size // shape.num_heads
+    full, causal = layer_flops(shape, 3), layer_flops(shape, 3, causal=True)
+    pairs = 1024 * 1025 / 2  # each query's keys, summed: s (s + 1) / 2
+    assert full - causal == pytest.approx(3 * 2 * 2 * (1024 * 1024 - pairs) * shape.hidden_size)
+    one_block = flash_attention_flops(1024, head, head, block=1)  # tiles of one pair: exactly the pairs kept
+    assert causal - (full - 4 * 3 * 1024 * 1024 * shape.hidden_size) == pytest.approx(3 * 4 * one_block)
+    assert model_flops_per_step(shape, 3, causal=True) < model_flops_per_step(shape, 3)
+
+
+def test_deepseek_v3s_cost_lies_between_labkits_bf16_and_fp8_prices() -> None:
+    """DeepSeek-V3 held out (a mixture of experts, never fitted): the published 180k GPU hours per trillion tokens
+    fall between labkit's price with every product in bf16 and with the products at FP8's doubled peak."""
+    from labkit.costmodel.published_recent import DEEPSEEK_V3
+    from labkit.costmodel.validation import deepseek_v3
+
+    bf16_step, bf16 = deepseek_v3()
+    fp8_step, fp8 = deepseek_v3(fp8_products=True)
+    assert fp8 < DEEPSEEK_V3.gpu_hours_per_trillion_tokens < bf16
+    assert (round(bf16 / 1e3), round(fp8 / 1e3)) == (215, 150)
+    assert bf16_step.layout.ep == 64 and bf16_step.layout.schedule == "dualpipev" and bf16_step.ep_s > 0.3 * fp8_step.step_s
+    assert fp8_step.ep_s == bf16_step.ep_s and fp8_step.compute_s < 0.6 * bf16_step.compute_s
+
+
+def test_labkit_plan_says_where_it_was_validated(capsys) -> None:
+    from labkit.cli import main
+
+    argv = ["plan", "--model", "gpt2", "--gpu", "H100 80GB", "--gpus", "8", "--global-batch", "64", "--top", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Validated on published runs it was not fitted to" in out and "published 2022-2024 (unseen) (25 runs)" in out
+    assert " optimizer" in out and "priced kernel by kernel" in out
+    assert main([*argv, "--efficiency", "0.5"]) == 0
+    assert "validated on published runs at the fitted value only" in capsys.readouterr().out
+
+
+def test_the_planner_tries_context_parallelism_for_long_sequences_even_when_something_fits() -> None:
+    from labkit.costmodel.planner import LONG_CONTEXT
+
+    shape = dataclasses.replace(TransformerShape.preset("llama-3-8b"), seq_len=LONG_CONTEXT)
+    short = dataclasses.replace(shape, seq_len=LONG_CONTEXT // 2)
+    cluster = Cluster(H100, 64)
+    assert any(c.layout.cp > 1 for c in plan(shape, cluster, 64, top=50).candidates)
+    assert all(c.layout.cp == 1 for c in plan(short, cluster, 64, top=50).candidates)

@@ -31,9 +31,10 @@ workspaces and the caching allocator's rounding and fragmentation: not measured 
 on CPUs), so the planner keeps a margin, :data:`MEMORY_MARGIN`, 10 % of the device (8 GB of an 80 GB GPU),
 rather than plan to the last byte.
 
-``efficiency`` is the fraction of the device's peak its matrix multiplications reach: the one fitted constant
-(:mod:`labkit.costmodel.validation` fits it to published runs and tests it on others; ``labkit doctor``
-measures this machine's).  When nothing fits, :class:`PlanResult` says why: the least memory per GPU any
+Each layer is priced kernel by kernel (:mod:`labkit.costmodel.kernels`) at three fitted efficiencies: the shares
+of the peak that large matrix products and a flash kernel reach, and of the HBM bandwidth the memory-bound
+operations reach (:class:`Cluster`; :mod:`labkit.costmodel.validation` fits them to published runs and tests them
+on others; ``labkit doctor`` measures this machine's own constants for its CPU runs).  When nothing fits, :class:`PlanResult` says why: the least memory per GPU any
 candidate needed.
 """
 
