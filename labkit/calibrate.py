@@ -21,8 +21,10 @@ the noise can flatten that slope: a fit once read a 437 GB/s gloo link on a mach
 GB/s, and lesson 11's 30 % gate on the 3D predictions could then pass through a wrong constant.  A loopback send
 copies each byte at least twice (sender to kernel, kernel to receiver), so it cannot beat one copy: a fit faster
 than the copy, or one whose times do not grow with the size, is measured again (``ATTEMPTS`` times in all, each
-refusal a warning), and a calibration whose links never come out physical raises ``ValueError`` rather than
-save a constant known to be wrong.
+refusal a warning), each time with a message ``GROWTH`` times the largest added, whose bandwidth term stands
+that much higher above the scheduler's noise (the ceiling, a copy of the first largest message, in cache, is
+then looser but still a bound: larger copies are no faster); a calibration whose links never come out
+physical raises ``ValueError`` rather than save a constant known to be wrong.
 """
 
 from __future__ import annotations
@@ -49,16 +51,23 @@ from labkit.models import GPTConfig, TinyGPT
 
 # How many times a link is measured before a fit above the copy bandwidth (or a flat one) is refused for good.
 ATTEMPTS = 3
+# Each new measurement adds a message this many times the largest before: on a busy machine a flat fit means the
+# scheduler's noise (milliseconds on 2 cores shared by 8 ranks and a browser) outweighs the largest message's
+# bandwidth term, and a message 8 times larger lifts that term 8 times above it.
+GROWTH = 8
 
 
-def _until_physical(measure: Callable[[], LinkModel], refused: list[str]) -> LinkModel | None:
-    """``measure()`` again while its fit is refused (every rank fits the same times, so all retry together),
-    ``ATTEMPTS`` times at most; each refusal's message is kept in ``refused``; ``None`` if all were refused."""
+def _until_physical(measure: Callable[[tuple[int, ...]], LinkModel], sizes: tuple[int, ...],
+                    refused: list[str]) -> LinkModel | None:
+    """``measure(sizes)`` again while its fit is refused (every rank fits the same times, so all retry
+    together), ``ATTEMPTS`` times at most, each time with one message ``GROWTH`` times the largest so far added
+    to ``sizes``; each refusal's message is kept in ``refused``; ``None`` if all were refused."""
     for _ in range(ATTEMPTS):
         try:
-            return measure()
+            return measure(sizes)
         except ValueError as error:
             refused.append(str(error))
+            sizes = (*sizes, GROWTH * max(sizes))
     return None
 
 
@@ -94,8 +103,8 @@ def _calibration_job(link_sizes: tuple[int, ...], preset: str, micro_batch: int,
     torch.set_num_threads(1)
     rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
     refused: list[str] = []
-    ring = _until_physical(lambda: measure_alpha_beta(link_sizes, iterations=5, pattern="ring",
-                                                      max_bandwidth_bytes_per_s=ceiling), refused)
+    ring = _until_physical(lambda sizes: measure_alpha_beta(sizes, iterations=5, pattern="ring",
+                                                            max_bandwidth_bytes_per_s=ceiling), link_sizes, refused)
     # compute: n ranks run the same forward+backward at once while the others wait in a barrier (asleep)
     config = GPTConfig.preset(preset, tie_weights=False)
     model = TinyGPT(config, seed=0)
@@ -123,8 +132,9 @@ def _calibration_job(link_sizes: tuple[int, ...], preset: str, micro_batch: int,
     pairs = [torch_dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
     pair = pairs[rank // 2] if rank < 2 * len(pairs) else None
     a, b = torch.randn(4 * config.block_size, config.n_embd), torch.randn(config.n_embd, 4 * config.n_embd)
-    sizes = (0, *link_sizes[-2:])  # the largest two: tensor parallelism's activations are 0.1 to a few MB
-    loaded = _until_physical(lambda: _loaded_all_reduce(sizes, a, b, repeats, pair, ceiling), refused)
+    # the largest two sizes: tensor parallelism's activations are 0.1 to a few MB
+    loaded = _until_physical(lambda sizes: _loaded_all_reduce((0, *sizes), a, b, repeats, pair, ceiling),
+                             link_sizes[-2:], refused)
     return {"ring": ring, "curve": curve, "rounds": rounds, "loaded": loaded, "refused": refused}
 
 

@@ -40,6 +40,20 @@ def test_times_that_do_not_grow_with_the_size_are_refused_rather_than_guessed():
         fit_alpha_beta(SIZES, falling, max_bandwidth_bytes_per_s=COPY)
 
 
+def test_a_larger_message_lifts_a_flat_fit_above_the_noise():
+    """What CI's browser run measured beside JupyterLab and Chromium: a ring step's times flat from 8 B to 1 MiB
+    (milliseconds of scheduling noise against the 1 MiB message's 0.7 ms of bandwidth); the messages of 8 MiB and
+    64 MiB that calibrate adds on each new measurement carry the bandwidth term (1.5 GB/s here) well above 3 ms more
+    of noise, and the fit comes back within 10 % of it."""
+    observed = [3060.4e-6, 1473.1e-6, 4659.4e-6, 1279.7e-6]
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_alpha_beta(SIZES, observed, max_bandwidth_bytes_per_s=COPY)
+    larger = (8 << 20, 64 << 20)
+    sizes, times = (*SIZES, *larger), observed + [ALPHA + size * BETA + 3e-3 for size in larger]
+    assert fit_alpha_beta(sizes, times, max_bandwidth_bytes_per_s=COPY).bandwidth_bytes_per_s == pytest.approx(
+        1 / BETA, rel=0.1)
+
+
 def test_a_good_noisy_fit_passes_below_the_copy_bandwidth():
     link = fit_alpha_beta(SIZES, _line(ALPHA, BETA, (1.03, 0.97, 1.02, 0.98)), max_bandwidth_bytes_per_s=COPY)
     assert link.alpha_s == pytest.approx(ALPHA, rel=0.1) and link.beta_s_per_byte == pytest.approx(BETA, rel=0.05)
@@ -132,21 +146,24 @@ def test_every_rank_refuses_the_same_link_so_none_is_left_waiting():
 def test_calibrate_measures_a_refused_link_again_and_gives_up_after_attempts(monkeypatch):
     attempts = []
 
-    def flaky() -> LinkModel:
-        attempts.append(1)
+    def flaky(sizes: tuple[int, ...]) -> LinkModel:
+        attempts.append(sizes)
         if len(attempts) < 3:
             raise ValueError(f"refusal {len(attempts)}")
         return LinkModel(ALPHA, BETA)
 
     refused: list[str] = []
-    assert calibrate_module._until_physical(flaky, refused) == LinkModel(ALPHA, BETA)
+    assert calibrate_module._until_physical(flaky, SIZES, refused) == LinkModel(ALPHA, BETA)
     assert refused == ["refusal 1", "refusal 2"]
+    # each new measurement adds a message 8 times the largest: its bandwidth term 8 times higher above the noise
+    assert attempts == [SIZES, (*SIZES, 8 << 20), (*SIZES, 8 << 20, 64 << 20)]
 
-    def flat() -> LinkModel:
+    def flat(sizes: tuple[int, ...]) -> LinkModel:
         raise ValueError("flat")
 
     refused.clear()
-    assert calibrate_module._until_physical(flat, refused) is None and refused == ["flat"] * calibrate_module.ATTEMPTS
+    assert calibrate_module._until_physical(flat, SIZES, refused) is None
+    assert refused == ["flat"] * calibrate_module.ATTEMPTS
 
     # the parent: each refusal a warning and a progress line; no physical fit left, a ValueError, nothing saved
     monkeypatch.setattr(calibrate_module, "_fit_compute", lambda *args: (48e9, 8e-4, 1e-4))

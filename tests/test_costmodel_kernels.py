@@ -233,16 +233,18 @@ def test_the_causal_count_is_the_pairs_a_causal_kernel_sees() -> None:
 
 def test_deepseek_v3s_cost_lies_between_labkits_bf16_and_fp8_prices() -> None:
     """DeepSeek-V3 held out (a mixture of experts, never fitted): the published 180k GPU hours per trillion tokens
-    fall between labkit's price with every product in bf16 and with the products at FP8's doubled peak."""
+    fall between labkit's price with every product in bf16 and with the products at FP8's doubled peak (and the
+    dispatch all-to-alls in FP8: two of each layer's four at one byte a value, the combines at two)."""
     from labkit.costmodel.published_recent import DEEPSEEK_V3
     from labkit.costmodel.validation import deepseek_v3
 
     bf16_step, bf16 = deepseek_v3()
     fp8_step, fp8 = deepseek_v3(fp8_products=True)
     assert fp8 < DEEPSEEK_V3.gpu_hours_per_trillion_tokens < bf16
-    assert (round(bf16 / 1e3), round(fp8 / 1e3)) == (215, 150)
+    assert (round(bf16 / 1e3), round(fp8 / 1e3)) == (215, 134)
     assert bf16_step.layout.ep == 64 and bf16_step.layout.schedule == "dualpipev" and bf16_step.ep_s > 0.3 * fp8_step.step_s
-    assert fp8_step.ep_s == bf16_step.ep_s and fp8_step.compute_s < 0.6 * bf16_step.compute_s
+    assert 0.7 < fp8_step.ep_s / bf16_step.ep_s < 0.8  # (a2a(1 B) + a2a(2 B)) / (2 a2a(2 B)), latency included
+    assert fp8_step.compute_s < 0.6 * bf16_step.compute_s
 
 
 def test_labkit_plan_says_where_it_was_validated(capsys) -> None:

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 from labkit.costmodel.calibration import rank_correlation
 from labkit.costmodel.compute import GPUS, mfu, model_flops_per_step
+from labkit.costmodel.experts import ep_all_to_all_s
 from labkit.costmodel.kernels import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, MEMORY_EFFICIENCY
 from labkit.costmodel.planner import Cluster, PlanResult, plan
 from labkit.costmodel.published import (
@@ -360,7 +361,8 @@ def deepseek_v3(efficiency: Efficiencies = EFFICIENCIES, fp8_products: bool = Fa
     sequences of 4,096 tokens, the batch of 15,360 after its ramp, micro-batches of ``micro_batch``, not
     published), and the GPU hours per trillion tokens it implies.  labkit prices 16-bit products; DeepSeek-V3
     ran most of them in FP8 (``fp8_products``: the products' peak doubled, FP8's dense rate on Hopper, attention
-    and everything else as before), and DualPipe overlaps the all-to-alls with another micro-batch's compute
+    and everything else as before; and the dispatch all-to-alls, forward and backward, at one byte a value, the
+    combines in bf16, as its section 3.3 "Low-Precision Storage and Communication" sends them), and DualPipe overlaps the all-to-alls with another micro-batch's compute
     where labkit's schedules leave them on the critical path: the two caveats go in opposite directions."""
     run = DEEPSEEK_V3
     shape = run.shape()
@@ -373,5 +375,8 @@ def deepseek_v3(efficiency: Efficiencies = EFFICIENCIES, fp8_products: bool = Fa
     layout = Layout(run.dp, run.tp, run.pp, run.zero, micro_batch, schedule="dualpipev", virtual_stages=2,
                     ep=run.ep, stage_layers=weighted_stage_layers(shape.num_layers, chunks))
     step = predict_step(shape, layout, run.global_batch, hardware, gradient_bytes=4)
+    if fp8_products:  # two of each MoE layer's four all-to-alls at 1 byte a value, two at 2
+        bf16 = ep_all_to_all_s(shape, layout, hardware, 2)
+        step = dataclasses.replace(step, ep_s=step.ep_s * (ep_all_to_all_s(shape, layout, hardware, 1) + bf16) / (2 * bf16))
     tokens = run.global_batch * run.seq_len
     return step, run.gpus * step.step_s / 3600 * 1e12 / tokens
