@@ -362,8 +362,9 @@ def deepseek_v3(efficiency: Efficiencies = EFFICIENCIES, fp8_products: bool = Fa
     published), and the GPU hours per trillion tokens it implies.  labkit prices 16-bit products; DeepSeek-V3
     ran most of them in FP8 (``fp8_products``: the products' peak doubled, FP8's dense rate on Hopper, attention
     and everything else as before; and the dispatch all-to-alls, forward and backward, at one byte a value, the
-    combines in bf16, as its section 3.3 "Low-Precision Storage and Communication" sends them), and DualPipe overlaps the all-to-alls with another micro-batch's compute
-    where labkit's schedules leave them on the critical path: the two caveats go in opposite directions."""
+    combines in bf16, as its section 3.3 "Low-Precision Storage and Communication" sends them), and DualPipe
+    overlaps the all-to-alls with another micro-batch's compute where labkit's schedules leave them on the
+    critical path: the two caveats go in opposite directions."""
     run = DEEPSEEK_V3
     shape = run.shape()
     cluster = Cluster(GPUS[run.gpu], run.gpus, *efficiency)
@@ -377,6 +378,7 @@ def deepseek_v3(efficiency: Efficiencies = EFFICIENCIES, fp8_products: bool = Fa
     step = predict_step(shape, layout, run.global_batch, hardware, gradient_bytes=4)
     if fp8_products:  # two of each MoE layer's four all-to-alls at 1 byte a value, two at 2
         bf16 = ep_all_to_all_s(shape, layout, hardware, 2)
-        step = dataclasses.replace(step, ep_s=step.ep_s * (ep_all_to_all_s(shape, layout, hardware, 1) + bf16) / (2 * bf16))
+        fp8 = ep_all_to_all_s(shape, layout, hardware, 1)
+        step = dataclasses.replace(step, ep_s=step.ep_s * (fp8 + bf16) / (2 * bf16))
     tokens = run.global_batch * run.seq_len
     return step, run.gpus * step.step_s / 3600 * 1e12 / tokens
