@@ -41,17 +41,17 @@ from pathlib import Path
 import pytest
 
 from labkit import claims
-from tests.conftest import LONG_LIVED, REPO, is_alive, live_descendants
+from tests.conftest import LONG_LIVED, REPO, WITHOUT_EXERCISE, is_alive, live_descendants
 from tests.notebook_outputs import output_differences
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Controls per notebook, over all its explorers (labkit.viz.widgets): update when a lesson adds an explorer.
 EXPECTED_CONTROLS = {"00_setup": 5, "01_collectives": 5, "02_data_parallel": 5, "03_batch_size_and_lr": 6,
                      "04_mixed_precision_and_memory": 2, "05_zero_and_fsdp": 8,
-                     "06_tensor_parallel": 7, "07_pipeline_parallel": 8,
+                     "06_tensor_parallel": 7, "07_pipeline_parallel": 7,
                      "08_async_parameter_server": 8, "09_pitfalls_and_checkpointing": 7, "10_3d_parallelism": 8,
                      "11_planning_a_training_run": 5, "12_monitoring_and_input_pipeline": 4,
-                     "13_long_context": 7, "14_mixture_of_experts": 5}
+                     "13_long_context": 7, "14_mixture_of_experts": 5, "15_zero_bubble_and_dualpipe": 8}
 # The kernels run PyTorch's portable kernels, with oneDNN held to AVX2 (a CPU without the wide vector units has
 # no AMX either; torch 2.14's bf16 attention otherwise packs for AMX, then refuses): nbval in `make test` checks
 # the stored outputs with this CPU's own kernels, Run All here with the kernels any CPU has.
@@ -373,9 +373,10 @@ def open_notebook(page, lab: Lab, path: str) -> list[str]:
     return problems + [f"before running: stored error in {error}" for error in errors_in(cells)]
 
 
-def run_all(page) -> tuple[list[dict], list[str]]:
+def run_all(page, graded: bool = True) -> tuple[list[dict], list[str]]:
     """(b) Run All, as the Run menu does; the cells afterwards, and what went wrong: an error output, a code
-    cell that never ran, a grading cell without its score."""
+    cell that never ran, a grading cell without its score (``graded=False``: a lesson without an exercise,
+    ``WITHOUT_EXERCISE``, where a grading cell is what went wrong)."""
     page.evaluate(JS_RUN_ALL)
     page.wait_for_function("() => window.labkitRunAll !== undefined", timeout=RUN_ALL_S * 1000, polling=1000)
     page.wait_for_function(JS_IDLE, timeout=REDRAW_S * 1000, polling=500)
@@ -385,7 +386,9 @@ def run_all(page) -> tuple[list[dict], list[str]]:
     problems += [f"Run All: error in {error}" for error in errors_in(cells)]
     problems += [f"Run All: {describe(cell)} never ran" for cell in code if cell["count"] is None]
     grading = [cell for cell in code if "grading.check(" in cell["source"]]
-    if not grading:
+    if not graded:
+        problems += [f"Run All: a grading {describe(cell)} in a lesson without an exercise" for cell in grading]
+    elif not grading:
         problems.append("Run All: no grading cell (grading.check(...)) found")
     elif "Score:" not in grading[-1]["text"]:
         problems.append(f"Run All: the grading {describe(grading[-1])} shows no 'Score:'")
@@ -527,7 +530,7 @@ def test_notebook_in_the_browser(lab, page, notebook):
         with phases("open"):
             problems += open_notebook(page, lab, f"notebooks/{notebook.name}")
         with phases("Run All"):
-            cells, found = run_all(page)
+            cells, found = run_all(page, graded=notebook.stem not in WITHOUT_EXERCISE)
         if first_failure_is_a_measured_miss(found):  # one more Run All, in a fresh kernel, decides
             print(f"{notebook.name}: {found[0]}\n{notebook.name}: the first failure was a measured claim's miss: "
                   "Run All once more, in a fresh kernel (labkit.claims.strict_miss)")
@@ -535,7 +538,7 @@ def test_notebook_in_the_browser(lab, page, notebook):
             lab.shut_down_kernels()
             with phases("Run All again"):
                 open_notebook(page, lab, f"notebooks/{notebook.name}")
-                cells, found = run_all(page)
+                cells, found = run_all(page, graded=notebook.stem not in WITHOUT_EXERCISE)
         problems += found + differs_from_stored(notebook, cells)
         with phases("explorers"):
             moved, found = move_every_control(page, cells, shots)

@@ -226,6 +226,26 @@ def test_pipeline_explorer_redraws_on_release_for_every_control(schedule):
     check_every_control_redraws(pipeline_widgets.pipeline_explorer(schedule=schedule), 8, _move)
 
 
+def test_lesson_07s_explorer_draws_its_four_schedules_without_the_overlap(monkeypatch):
+    drawn = _record_figures(monkeypatch)
+    explorer = pipeline_widgets.pipeline_explorer(schedules=pipeline_widgets.CLASSIC)
+    controls = explorer_controls(explorer)
+    # 7 controls: no overlap slider without DualPipeV (tests/test_browser.py's count for lesson 07)
+    check_every_control_redraws(pipeline_widgets.pipeline_explorer(schedules=pipeline_widgets.CLASSIC), 7, _move)
+    assert [control.description for control in controls if "overlap" in control.description] == []
+    assert list(controls[0].options) == list(pipeline_widgets.CLASSIC)
+    series = _series(drawn[-1])
+    assert {"GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1"} <= set(series)
+    assert not {"ZB-V", "Interleaved ZB", "DualPipeV"} & set(series)
+    assert "overlap" not in explorer.children[1].value and "overlap" not in drawn[-1].get_suptitle()
+    whole, _ = pipeline_widgets.explore("ZB-V", 4, 8, 2, 1.0, 2.0, 1.0)  # lesson 15's: all seven
+    assert {"ZB-V", "Interleaved ZB", "DualPipeV"} <= set(_series(whole))
+    with pytest.raises(ValueError, match="'ZB-V' is not among"):
+        pipeline_widgets.pipeline_explorer(schedule="ZB-V", schedules=pipeline_widgets.CLASSIC)
+    with pytest.raises(ValueError, match="schedules must name some of"):
+        pipeline_widgets.explore("1F1B", 4, 8, 2, 1.0, 2.0, 1.0, schedules=("1F1B", "ZB-X"))
+
+
 def _record_figures(monkeypatch) -> list[Figure]:
     """Every figure the explorer draws, kept (the explorer itself keeps only its PNG)."""
     drawn: list[Figure] = []

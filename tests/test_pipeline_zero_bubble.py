@@ -345,3 +345,43 @@ def test_the_planner_tries_the_new_schedules_when_asked():
     best = planner.plan(shape, planner.Cluster(compute.GPUS["A100 80GB"], 64, 0.5), 64, top=3,
                         schedules=("zb-v", "dualpipev")).candidates
     assert best and all(candidate.layout.schedule in ("zb-v", "dualpipev") for candidate in best)
+
+
+def _lesson_15_band(name: str):
+    """Lesson 15's band ``name`` (``claims.Band(low, high, ...)`` in its timed cell), as the notebook states it."""
+    import ast
+    import json
+
+    from labkit import claims
+    from tests.conftest import REPO
+
+    cells = json.loads((REPO / "notebooks" / "15_zero_bubble_and_dualpipe.ipynb").read_text())["cells"]
+    for cell in cells:
+        if cell["cell_type"] != "code" or f"{name} = claims.Band(" not in "".join(cell["source"]):
+            continue
+        for node in ast.walk(ast.parse("".join(line for line in cell["source"] if not line.startswith("%")))):
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
+                low, high = (ast.literal_eval(argument) for argument in node.value.args[:2])
+                keywords = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.value.keywords}
+                return claims.Band(low, high, **keywords)
+    raise AssertionError(f"lesson 15 states no {name}")
+
+
+def test_lesson_15s_same_launch_contrast_rejects_the_same_table_twice():
+    """The rival the lesson's contrast names: ZB-V's table where DualPipeV's (or ZB-H1's) ran, a difference of 0;
+    and its bubble band alone would take DualPipeV's table for ZB-V's, which is why the contrast exists."""
+    f, b, w = 0.015, 0.030, 0.015  # the lesson's timed stages: half a rank's layers (a ZB-H1 stage: twice)
+    zero_v = simulate(zb_v(4, 8), f, b, w).bubble_fraction
+    slower = {"DualPipeV": simulate(dualpipe_v(4, 8), f, b, w).bubble_fraction,
+              "ZB-H1": simulate(zb_h1(4, 8), 2 * f, 2 * b, 2 * w).bubble_fraction}
+    unpaired = Schedule(4, 8, 2, "DualPipeV, no pairs", dualpipe_v(4, 8).table, "v")
+    contrast, bubble = _lesson_15_band("CONTRAST_BAND"), _lesson_15_band("NEW_BAND")
+    for name, bubble_fraction in slower.items():
+        expected = bubble_fraction - zero_v
+        assert expected == pytest.approx(0.052, abs=0.001)
+        assert contrast.contains(expected, expected)  # the tables as simulated
+        assert not contrast.contains(0.0, expected), name  # the same table twice
+        assert not contrast.contains(simulate(unpaired, f, b, w).bubble_fraction - zero_v, expected), name
+        assert bubble.contains(bubble_fraction, zero_v), "ZB-V's band alone cannot tell them apart"
+    one_f_one_b_bubble = simulate(one_f_one_b(4, 8), 2 * f, 2 * b).bubble_fraction
+    assert not bubble.contains(one_f_one_b_bubble, zero_v) and not bubble.contains(0.0, zero_v)

@@ -1,4 +1,5 @@
-"""Plots of lesson 07 (pipeline parallelism): a schedule's timeline, its bubble against ``m``, activations held.
+"""Plots of lessons 07 and 15 (pipeline parallelism; the schedules of 2024-25): a schedule's timeline, its bubble
+against ``m``, activations held.
 
 Every function reads a :class:`~labkit.parallel.pipeline.Timeline`, whether :func:`~labkit.parallel.pipeline.simulate`
 made it (in units of the durations given, or seconds) or a runtime measured it on real processes (seconds from a common origin,

@@ -1,5 +1,6 @@
-"""Lesson 07's explorer: a pipeline schedule, its size and its pass durations -> its simulated timeline, its
-bubble beside the closed form and every other schedule's, and the activations each rank holds.
+"""The pipeline explorer of lessons 07 and 15: a pipeline schedule, its size and its pass durations -> its simulated
+timeline, its bubble beside the closed form and every other schedule's, and the activations each rank holds.
+Lesson 07 opens it on the four schedules it builds (:data:`CLASSIC`), lesson 15 on all seven.
 
 It lives apart from ``labkit.viz.widgets`` (which would pass the 420-line limit with it) and is wired the same
 way, by ``widgets.connect``: sliders redraw when released, the last state wins, the figure is an image.
@@ -8,7 +9,7 @@ way, by ``widgets.connect``: sliders redraw when released, the last state wins, 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import ipywidgets as widgets
 from matplotlib.figure import Figure
@@ -29,6 +30,7 @@ CLOSED_FORMS = {"GPipe": "(p−1)/(m+p−1)", "1F1B": "(p−1)/(m+p−1)", "Inte
                 "ZB-V": "(p−1)/(6m+p−1), exact when F = I = W and m ≥ 2p−1",
                 "DualPipeV": "(p−1)/(3m+p−1), exact when F = I = W and F&B = F + B"}
 SPLIT = ("ZB-H1", "Interleaved ZB", "ZB-V", "DualPipeV")  # W is read by these
+CLASSIC = ("GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1")  # lesson 07's; the other three are lesson 15's
 _PER_MICRO_BATCH = {"GPipe": 1, "1F1B": 1, "ZB-H1": 3, "ZB-V": 6, "DualPipeV": 3}  # k in (p-1)/(k m + p-1)
 
 
@@ -76,18 +78,30 @@ def _runs(name: str, p: int, m: int, v: int) -> bool:
                 or (name == "Interleaved ZB" and m % max(1, m // p)))
 
 
+def _chosen(schedules: Sequence[str]) -> tuple[str, ...]:
+    unknown = [name for name in schedules if name not in SCHEDULES]
+    if unknown or not schedules:
+        raise ValueError(f"schedules must name some of {tuple(SCHEDULES)}, got {tuple(schedules)!r}")
+    return tuple(name for name in SCHEDULES if name in schedules)  # the dropdown's order, whatever was given
+
+
 def explore(name: str, p: int, m: int, v: int, forward_ms: float, backward_ms: float, weight_ms: float,
-            overlap: float = 0.0) -> tuple[Figure, str]:
-    """What :func:`pipeline_explorer` shows for its controls' values: the figure and the summary (HTML)."""
+            overlap: float = 0.0, schedules: Sequence[str] = tuple(SCHEDULES)) -> tuple[Figure, str]:
+    """What :func:`pipeline_explorer` shows for its controls' values: the figure and the summary (HTML).
+    ``schedules``: those drawn in the bubble panel (``name`` among them)."""
+    schedules = _chosen(schedules)
+    if name not in schedules:
+        raise ValueError(f"schedule {name!r} is not among the explorer's schedules {schedules}")
     ms = sorted({2**k for k in range(6)} | {p * 2**k for k in range(3) if p * 2**k <= MAX_M} | {m})
     durations = (forward_ms, backward_ms, weight_ms, overlap)
     weight_too_long = weight_ms > backward_ms
-    rows = [simulate_schedule(other, p, count, v, *durations) for other in SCHEDULES for count in ms
+    rows = [simulate_schedule(other, p, count, v, *durations) for other in schedules for count in ms
             if not (other in SPLIT and weight_too_long) and _runs(other, p, count, v)]
     notes = {"Interleaved 1F1B": f"only where p = {p} divides m", "DualPipeV": f"only m ≥ 2p = {2 * p}",
              "Interleaved ZB": "only where its rounds divide m"}
     if weight_too_long:  # nothing to draw, said in the legend: a missing series reads as a forgotten one
         notes |= {other: "none: W > B" for other in SPLIT}
+    notes = {other: note for other, note in notes.items() if other in schedules}
     timeline, error = None, None
     if name in SPLIT and weight_too_long:
         error = (f"{name} splits each backward B into I = B − W and W, so W = {weight_ms:g} ms cannot exceed "
@@ -111,26 +125,34 @@ def explore(name: str, p: int, m: int, v: int, forward_ms: float, backward_ms: f
                    f"rank {timeline.idle / p:.3g} ms simulated, {paper:.3g} ms by the paper's form (F, B, W apart); "
                    f"step {timeline.total:.3g} ms; at most {max(peaks):g} micro-batch{'' if max(peaks) == 1 else 'es'} "
                    f"of the rank's layers' activations held (rank {peaks.index(max(peaks))}).  v is read by the "
-                   "interleaved schedules, W by the split ones (I = B − W), the overlap by DualPipeV.</small>")
+                   "interleaved schedules, W by the split ones (I = B − W)"
+                   f"{', the overlap by DualPipeV' if 'DualPipeV' in schedules else ''}.</small>")
+    paired = f"; F&B overlap {overlap:g}" if "DualPipeV" in schedules else ""
     caption = (f"F = {forward_ms:g}, B = {backward_ms:g}, W = {weight_ms:g} ms per rank's layers (W: the split "
-               f"schedules' share of B); v = {v}; F&B overlap {overlap:g}.  Markers: simulated with these durations")
+               f"schedules' share of B); v = {v}{paired}.  Markers: simulated with these durations")
     figure = pipeline_plots.plot_pipeline_overview(timeline, rows, ms, p, v, m=m, time_unit="ms", error=error,
                                                    caption=caption, notes=notes)
     return figure, summary
 
 
 def pipeline_explorer(schedule: str = "1F1B", p: int = 4, m: int = 8, v: int = 2, forward_ms: float = 1.0,
-                      backward_ms: float = 2.0, weight_ms: float = 1.0, overlap: float = 0.0) -> widgets.VBox:
-    """Pipeline schedules on ``p`` ranks (lesson 07): schedule, p, m, v, the forward, backward and weight-
+                      backward_ms: float = 2.0, weight_ms: float = 1.0, overlap: float = 0.0,
+                      schedules: Sequence[str] = tuple(SCHEDULES)) -> widgets.VBox:
+    """Pipeline schedules on ``p`` ranks (lessons 07 and 15): schedule, p, m, v, the forward, backward and weight-
     gradient durations and DualPipeV's F&B overlap -> the chosen schedule's simulated timeline; the bubble
-    against ``m`` of all seven schedules simulated with the same durations, beside the closed forms (the chosen
-    ``m`` dotted); and the peak activations per rank beside their model.  ``v`` is used by the interleaved
+    against ``m`` of ``schedules`` (default: all seven) simulated with the same durations, beside the closed
+    forms (the chosen ``m`` dotted); and the peak activations per rank beside their model.  Without DualPipeV
+    among ``schedules`` there is no overlap slider (lesson 07's :data:`CLASSIC`: 7 controls, else 8).  ``v`` is
+    used by the interleaved
     schedules (their timelines, markers and the dashed closed form), W by the split ones (ZB-H1, interleaved ZB,
     ZB-V, DualPipeV), the overlap by DualPipeV.  An invalid combination shows why in the figure: interleaved
     1F1B with ``m`` not a multiple of ``p`` (the library's message: labkit keeps Megatron's original order),
     DualPipeV with ``m < 2p``, W longer than B (I would take B − W < 0).  The bubble panel's legend says which
     markers are missing and why."""
-    schedule_choice = widgets.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
+    schedules = _chosen(schedules)
+    if schedule not in schedules:
+        raise ValueError(f"schedule {schedule!r} is not among the explorer's schedules {schedules}")
+    schedule_choice = widgets.Dropdown(options=list(schedules), value=schedule, description="schedule")
     rank_slider = widgets.IntSlider(value=p, min=2, max=MAX_P, description="ranks p")
     micro_slider = widgets.IntSlider(value=m, min=1, max=MAX_M, description="micro-batches m")
     chunk_slider = widgets.IntSlider(value=v, min=1, max=4, description="v (interleaved)")
@@ -145,11 +167,11 @@ def pipeline_explorer(schedule: str = "1F1B", p: int = 4, m: int = 8, v: int = 2
     def redraw() -> None:
         figure, summary.value = explore(schedule_choice.value, rank_slider.value, micro_slider.value,
                                         chunk_slider.value, forward_slider.value, backward_slider.value,
-                                        weight_slider.value, overlap_slider.value)
+                                        weight_slider.value, overlap_slider.value, schedules)
         picture.value = plots.figure_to_png(figure)
 
     controls = (schedule_choice, rank_slider, micro_slider, chunk_slider, forward_slider, backward_slider,
-                weight_slider, overlap_slider)
+                weight_slider) + ((overlap_slider,) if "DualPipeV" in schedules else ())
     connect(controls, redraw)
     widen_sliders(controls)
     return widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:4])), widgets.VBox(list(controls[4:]))],

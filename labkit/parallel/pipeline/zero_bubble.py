@@ -1,4 +1,5 @@
-"""The pipeline schedules of 2024-25, as tables equal to torch's own: ZB-V, interleaved zero bubble, DualPipeV.
+"""The pipeline schedules of 2024-25, as tables equal to torch's own: ZB-V, interleaved zero bubble, DualPipeV
+(lesson 15).
 
 All three split the backward as ZB-H1 does (:mod:`.schedule`): ``I``, the input gradient the previous stage waits
 for, and ``W``, the weight gradient nothing waits for, moved into what would be idle time.  Two of them put two
