@@ -35,6 +35,11 @@ from tests.conftest import REPO
 LIBRARY = guard.LABKIT_IMPLEMENTATIONS
 
 
+def _refused(library: tuple[str, ...]):
+    """What a check over ``library`` enters: copies of its refused functions refuse (the guard's swap itself aside)."""
+    return copies.refused(copies.Refused.of(guard._refusals(library, (), guard.DEFAULT_REASON), []), guard.swap_code)
+
+
 def _source_run_into_a_dict(path: str) -> dict:
     namespace: dict = {}
     exec(compile(open(path).read(), "<copied>", "exec"), namespace)  # the shortcut refused below
@@ -45,7 +50,7 @@ def test_a_copy_of_labkits_code_refuses_however_it_was_loaded_and_works_again_af
     made_before = _source_run_into_a_dict(labkit.loader.__file__)["sample_seed"]  # a student's file, at import
     code = labkit.parallel.experts.permute.inverse_permutation.__code__
     expected = made_before(1, 2, 3, 4)
-    with copies.refused(LIBRARY):
+    with _refused(LIBRARY):
         with pytest.raises(guard.Forbidden, match=r"used a copy of labkit\.loader\.sample_seed, labkit's own"):
             made_before(1, 2, 3, 4)  # made before the block: swapped
         with pytest.raises(guard.Forbidden, match=r"ran <copied> again, which holds a copy of labkit\.loader\."):
@@ -70,7 +75,7 @@ def test_a_copy_of_torchs_code_named_by_a_check_refuses_too():
     library = LIBRARY + long_context_checks.BUILT_INS
     balancer = sys.modules["torch.distributed.tensor.experimental._context_parallel._load_balancer"]
     copy = _source_run_into_a_dict(balancer.__file__)["_HeadTailLoadBalancer"]
-    with copies.refused(library), pytest.raises(guard.Forbidden, match="_HeadTailLoadBalancer.__init__, a built-in"):
+    with _refused(library), pytest.raises(guard.Forbidden, match="_HeadTailLoadBalancer.__init__, a built-in"):
         copy(8, 2, "cpu")
 
 
@@ -83,7 +88,7 @@ def test_code_a_decorator_lends_to_a_refused_function_is_not_refused_elsewhere()
 
     _source_run_into_a_dict(labkit.collectives.__file__)  # a copy made: the block lists every function
     assert copies._MADE_OUTSIDE
-    with copies.refused(LIBRARY), mine() as value:
+    with _refused(LIBRARY), mine() as value:
         assert value == 7
 
 

@@ -11,7 +11,7 @@ check began.  Within :func:`refused` (every check: :func:`labkit.grading.guard.n
 - every code object about to be executed (``exec``, ``eval``, ``runpy``, an import) or made into a function
   (``types.FunctionType``) is looked through, with the code nested in it, by an audit hook (PEP 578: Python
   raises the event in C, however the function was reached); a copy of a refused function raises
-  :class:`~labkit.grading.guard.Forbidden` there, before any of it runs;
+  :class:`~labkit.grading.Forbidden` there, before any of it runs;
 - every function made before the block (when the student's file was imported) whose code is such a copy, or
   holds one (a factory that defines it), gets the refusing code as the originals do, until the block ends.  The
   hook, in place since the checker's import, saw that code made: only then are the process's functions listed
@@ -35,20 +35,20 @@ import gc
 import os
 import sys
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
-from labkit.grading import guard
-from labkit.grading.guard import DEFAULT_REASON, Forbidden
+from labkit.grading import DEFAULT_REASON, Forbidden
 
 _LIBRARY_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the labkit package
 
 
 def refuse_copies_of_labkit() -> None:
-    """Raise :class:`~labkit.grading.guard.Forbidden` if any loaded module is a copy of one of labkit's files."""
+    """Raise :class:`~labkit.grading.Forbidden` if any loaded module is a copy of one of labkit's files."""
     for name, loaded in list(sys.modules.items()):
         where = getattr(loaded, "__file__", None)
         if not where:
@@ -84,6 +84,31 @@ class Refused:
     originals: set[int] = field(default_factory=set)  # ids of the refused and allowed functions themselves
     verdicts: dict[int, tuple[types.CodeType, str | None]] = field(default_factory=dict)  # id(code) -> message
 
+    @classmethod
+    def of(cls, refusals: list[tuple[types.FunctionType, str, Any]], allowed: Iterable[types.FunctionType]) -> Refused:
+        """The :class:`Refused` of a guard's ``(function, message, ...)`` refusals (:func:`labkit.grading.guard.
+        forbid`'s), less the ``allowed`` functions: worked out from the functions' own code, so before the guard
+        first swaps it (a check's decoration does it, at the checker's import); once per list of refusals."""
+        if id(refusals) in _BUILT:
+            return _BUILT[id(refusals)][1]
+        refused = cls()
+        for function, message, *_ in refusals:
+            code = function.__code__
+            if code.co_name in ("refused", "served", "observed") and code.co_filename == "<string>":
+                raise RuntimeError(f"{function.__qualname__} is swapped already: find the refusals before the guard")
+            refused.originals.add(id(function))
+            path = _real_path(code.co_filename)
+            named = function.__qualname__ if hasattr(code, "co_qualname") else function.__name__
+            if path is None or _qualname(code) != named:  # code a decorator made or lent (a dataclass's __init__,
+                continue  # contextmanager's helper): refused as the original only
+            by_name = refused.messages.setdefault(_qualname(code), {})
+            by_name[path] = by_name[fingerprint(code)] = message
+        refused.originals.update(id(function) for function in allowed)
+        for name, by_name in refused.messages.items():  # what the audit hook looks for outside the guards
+            _ANY.messages.setdefault(name, {}).update(by_name)
+        _BUILT[id(refusals)] = (refusals, refused)  # the list kept, so that its id is not reused
+        return refused
+
     def copy_in(self, code: types.CodeType, remember: bool = True) -> str | None:
         """The message of the refused function ``code`` copies, or that code nested in it copies; else None.
         ``remember``: keep the answer (and the code, so that its id is not reused) for the next time."""
@@ -112,33 +137,12 @@ def _real_path(name: str) -> str | None:
     return os.path.realpath(name) if name and not name.startswith("<") else None
 
 
-@cache
-def refusals(library: tuple[str, ...], allow: tuple[str, ...]) -> Refused:
-    """The :class:`Refused` of a guard over ``library`` less ``allow``: worked out from the functions' own code,
-    so before the guard first swaps it (a check's decoration does it, at the checker's import)."""
-    refused = Refused()
-    for function, message, _code in guard._refusals(library, allow, DEFAULT_REASON):
-        code = function.__code__
-        if code.co_name in ("refused", "served", "observed") and code.co_filename == "<string>":
-            raise RuntimeError(f"{function.__qualname__} is swapped already: work out the refusals before the guard")
-        refused.originals.add(id(function))
-        path = _real_path(code.co_filename)
-        named = function.__qualname__ if hasattr(code, "co_qualname") else function.__name__
-        if path is None or _qualname(code) != named:  # code a decorator made or lent (a dataclass's __init__,
-            continue  # contextmanager's helper): refused as the original only
-        by_name = refused.messages.setdefault(_qualname(code), {})
-        by_name[path] = by_name[fingerprint(code)] = message
-    refused.originals.update(id(function) for name in allow for function in guard._functions(guard._resolve(name)))
-    for name, by_name in refused.messages.items():  # what the audit hook looks for outside the guards
-        _ANY.messages.setdefault(name, {}).update(by_name)
-    return refused
-
-
 # --------------------------------------------------------------------------------------------------------
 # Refusing them
 
 
 _WATCHING: list[Refused] = []  # the guards in force, innermost last: the audit hook reads the last
+_BUILT: dict[int, tuple[list, Refused]] = {}  # by id of the guard's list of refusals
 _ANY = Refused()  # every guard's refused functions: a copy made outside a guard is remembered, to look for after
 _MADE_OUTSIDE: list[str] = []  # (the file a copy came from): while empty, a guard has no functions to look through
 
@@ -159,17 +163,17 @@ def _audit(event: str, args: tuple) -> None:
 
 
 @contextmanager
-def refused(library: Iterable[str], allow: Iterable[str] = ()) -> Iterator[None]:
-    """Within the block, a copy of a function that a guard over ``library`` less ``allow`` refuses, refuses too:
-    refused when its code is executed or made a function, and swapped where a function holding it exists."""
-    watched = refusals(tuple(library), tuple(allow))
+def refused(watched: Refused, swap: Callable[[types.FunctionType, str, ExitStack], bool]) -> Iterator[None]:
+    """Within the block, a copy of a function ``watched`` holds refuses too: refused when its code is executed or
+    made a function, and, where a function made earlier holds it, given refusing code by ``swap(function, message,
+    restore)`` (:func:`labkit.grading.guard.swap_code`)."""
     with ExitStack() as restore:
         for thing in gc.get_objects() if _MADE_OUTSIDE else ():  # (~0.1 s with torch loaded: only when needed)
             if type(thing) is types.FunctionType and id(thing) not in watched.originals:
                 message = watched.copy_in(thing.__code__)
                 if message is not None:
-                    guard.swap_code(thing, f"used a copy of {message.removeprefix('used ')} (its code, loaded "
-                                           f"again from {thing.__code__.co_filename})", restore)
+                    swap(thing, f"used a copy of {message.removeprefix('used ')} (its code, loaded again from "
+                                f"{thing.__code__.co_filename})", restore)
         _WATCHING.append(watched)
         restore.callback(_WATCHING.pop)
         yield

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit.grading import CheckFailed
+from labkit.grading import DEFAULT_REASON, Forbidden, copies
 
 # Where labkit implements an exercise.  A package stands for all its modules; a dotted name for one function
 # or class.  Only what is *defined* in a module counts: labkit.collectives re-exports chunk_bounds, which stays
@@ -88,15 +88,10 @@ POINT_TO_POINT_OPERATORS = ("send", "recv_", "recv_any_source_", "barrier", "mon
 TORCH_COLLECTIVE_MODULES = ("torch.distributed.distributed_c10d", "torch.distributed._functional_collectives",
                             "torch.distributed.nn.functional")
 
-DEFAULT_REASON = "this exercise asks you to write it yourself"
 POINT_TO_POINT_REASON = "build it from point-to-point messages (dist.isend / dist.irecv)"
 HOLE = "<labkit.grading.guard: the value>"  # a constant in a swapped function's statement: code_running's value
 # A swapped function runs with its own globals: it reaches the exception class through __import__.
 _REFUSED = f"raise __import__({__name__!r}, fromlist=['_']).Forbidden({HOLE!r})"
-
-
-class Forbidden(CheckFailed):
-    """Student code called something the exercise asks it to write: the message says what, and why."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -183,14 +178,14 @@ def no_shortcuts(check: Callable[[types.ModuleType], None] | None = None, *,
     """Decorate a check so that it runs under :func:`forbid` with labkit's implementations (less ``allow``) and
     the torch modules named in ``built_ins``: ``@no_shortcuts`` or ``@no_shortcuts(allow=[...])``.  Ranks the
     check launches inherit the guard."""
-    from labkit.grading import copies  # (which imports this module)
     allow, library = tuple(allow), LABKIT_IMPLEMENTATIONS + tuple(built_ins)
-    copies.refusals(library, allow)  # now, at the checker's import, from the original code: the checks inherit it
+    watched = copies.Refused.of(_refusals(library, allow, DEFAULT_REASON),  # now, at the checker's import, from the
+                                [f for name in allow for f in _functions(_resolve(name))])  # code the guard swaps
 
     def decorate(check: Callable[[types.ModuleType], None]) -> Callable[[types.ModuleType], None]:
         @functools.wraps(check)
         def guarded(module: types.ModuleType) -> None:
-            with copies.refused(library, allow), forbid(module, library=library, allow=allow), \
+            with copies.refused(watched, swap_code), forbid(module, library=library, allow=allow), \
                     graders_off_limits(module):
                 check(module)
 
