@@ -38,8 +38,9 @@ MACHINE_FILES = ("/etc/hostname", "/proc/sys/kernel/hostname", "/etc/machine-id"
 
 
 def _patch(stack: ExitStack, owner: Any, name: str, value: Any) -> None:
-    stack.callback(setattr, owner, name, getattr(owner, name))
-    setattr(owner, name, value)
+    if hasattr(owner, name):  # (os.uname is POSIX's; platform's cache an implementation's)
+        stack.callback(setattr, owner, name, getattr(owner, name))
+        setattr(owner, name, value)
 
 
 @contextmanager
@@ -55,7 +56,7 @@ def pretend(host: str | None, days: float) -> Iterator[None]:
 
 
 def _another_host(stack: ExitStack, host: str) -> None:
-    here, real_uname = socket.gethostname(), os.uname()
+    here, real_uname = socket.gethostname(), os.uname() if hasattr(os, "uname") else None
     getfqdn, gethostbyname, real_open = socket.getfqdn, socket.gethostbyname, io.open
     identity = sum(map(ord, host))  # a machine id, MAC address and boot id of this pretended host
     texts = {path: host + "\n" for path in MACHINE_FILES[:2]}
