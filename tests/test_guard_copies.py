@@ -1,9 +1,9 @@
 """The guard against routes around it: copies of labkit's code, answers in another form, other machines and days.
 
 tests/test_grading.py proves each checker on the solutions, the stubs and the wrong answers of
-tests/wrong_answers.py; these prove the parts those runs rest on, in this process: that a copy of a refused
-function refuses however it was loaded (and nothing else does), that exercise 13 takes positions in any form a
-caller can use, and that exercise 12's other machines and days are other ones.
+tests/wrong_answers.py; these prove the parts those runs rest on: that a copy of a refused function refuses however
+it was loaded (and nothing else does), that exercise 13 takes positions in any form a caller can use, that exercise
+12's other machines and days are other ones, and that the new checks say what went wrong in the student's terms.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from labkit.grading import copies, guard
 from labkit.grading.checkers import another_machine
 from labkit.grading.checkers import long_context as long_context_checks
 from tests.conftest import REPO
+from tests.wrong_answers import BY_NAME
 
 LIBRARY = guard.LABKIT_IMPLEMENTATIONS
 
@@ -122,3 +123,25 @@ def test_another_machine_reports_another_host_and_day_and_puts_this_one_back():
                 assert time.localtime().tm_yday != time.localtime(time.time() - days * 86400).tm_yday
     assert (socket.gethostname(), platform.node(), os.uname().nodename, uuid.getnode(),
             datetime.date.today()) == here
+
+
+@pytest.mark.parametrize("name, check, hints", [
+    ("input_host_name", 2, ["that reports the host name 'labkit-node-7'", "depends on the machine"]),
+    ("input_date", 2, ["that runs 9 days later", "depends on the date"]),
+    ("input_string_hash", 2, ["that runs on this host, today", "salted per process"]),
+    ("input_numpy_uint64", 0, ["(numpy.uint64); expected an int", "manual_seed takes a Python int only"]),
+    ("input_40_bits", 1, ["are the same in all 4,496,149 seeds: they use 40 of the 63 bits"]),
+    ("input_40_bits_spread", 1, ["both returned", "a hash of fewer than 63 bits collides by chance"]),
+    ("long_zigzag_generator", 1, ["returned a generator (an iterator, which can be read only once)"]),
+    ("long_zigzag_float_positions", 1, ["returned a list holding 0.0 (float)"]),
+    ("long_merge_view_flat", 0, ["laid out transposed (not contiguous) raised RuntimeError", "not .view"]),
+    ("long_blockwise_arange_on_cpu", 2, ["on the meta device raised RuntimeError", "device=q.device"]),
+    ("long_blockwise_lse_float64", 2, ["in float32 returned out of torch.float64", "dtype=q.dtype"]),
+    ("long_zigzag_torch_head_tail", 1, ["_HeadTailLoadBalancer.__init__, a built-in"]),
+    ("long_merge_torch_sdpa_merger", 0, ["_SDPAMerger.__init__, a built-in"]),
+])
+def test_the_new_checks_say_what_went_wrong_in_the_students_terms(name, check, hints, tmp_path):
+    answer = BY_NAME[name]
+    checks = importlib.import_module(grading.EXERCISES[answer.topic][1]).CHECKS
+    result = grading.run_check(checks[check], answer.write(tmp_path / name))
+    assert not result.passed and all(hint in result.message for hint in hints), result.message

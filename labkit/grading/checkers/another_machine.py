@@ -30,7 +30,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 # (what changed, host name, days ahead): two other hosts, a day in another week, another year
-SITUATIONS = (("as here", None, 0), ("reports the host name 'labkit-node-7'", "labkit-node-7", 0),
+SITUATIONS = (("runs on this host, today", None, 0), ("reports the host name 'labkit-node-7'", "labkit-node-7", 0),
               ("reports the host name 'gpu-a100-042'", "gpu-a100-042", 0), ("runs 9 days later", None, 9),
               ("runs 400 days later", None, 400))
 MACHINE_FILES = ("/etc/hostname", "/proc/sys/kernel/hostname", "/etc/machine-id", "/var/lib/dbus/machine-id",
@@ -135,4 +135,4 @@ def seeds(path: str, keys: list[list[int]]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(seeds(sys.argv[1], json.loads(sys.argv[2])), default=repr))
+    print(json.dumps(seeds(sys.argv[1], json.loads(sys.argv[2])), default=repr))  # the last line: after any print

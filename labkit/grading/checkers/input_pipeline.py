@@ -39,7 +39,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,6 +46,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from labkit import loader
 from labkit.grading import CheckFailed, copies, guard
+from labkit.grading.checkers import another_machine
 
 TOP = 2**63
 LARGEST_INPUT = 2**62
@@ -199,7 +199,7 @@ class _Seeds(Dataset):
 PROCESS_KEYS = SAMPLE_KEYS + [(3, rank, epoch, index) for rank in range(3) for epoch in range(2) for index in range(4)]
 
 
-ELSEWHERE = Path(__file__).with_name("another_machine.py")  # a script: the student's file as on other machines
+ELSEWHERE = another_machine.__file__  # run as a script: the student's file as on other machines and days
 
 
 @guard.no_shortcuts
@@ -213,27 +213,30 @@ def check_every_process(module) -> None:
         raise CheckFailed(f"sample_seed{PROCESS_KEYS[first]} is {here[first]} here but {in_workers[first]} in a "
                           "DataLoader worker: each worker process must compute the same seed")
     for salt in ("1", "2"):  # a new session too: nothing of this process (its group, its hash salt) carries over
-        done = subprocess.run([sys.executable, str(ELSEWHERE), os.path.abspath(module.__file__),
+        done = subprocess.run([sys.executable, ELSEWHERE, os.path.abspath(module.__file__),
                                json.dumps(PROCESS_KEYS)], capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PYTHONHASHSEED": salt}, start_new_session=True)
         if done.returncode != 0:
             raise CheckFailed(f"importing your file in a fresh interpreter failed: {done.stderr.strip()[-300:]}")
-        for situation, there in json.loads(done.stdout).items():
+        for situation, there in json.loads(done.stdout.strip().splitlines()[-1]).items():
             where = f"a fresh interpreter (PYTHONHASHSEED={salt}) that {situation}"
             if isinstance(there, str):
                 raise CheckFailed(f"your file raised {there[:200]} in {where}")
             if there != here:
                 first = next(i for i, (a, b) in enumerate(zip(here, there, strict=True)) if a != b)
                 raise CheckFailed(f"sample_seed{PROCESS_KEYS[first]} is {here[first]} here but {there[first]} in "
-                                  f"{where}: {_why(situation)}")
+                                  f"{where}: {_why(*CHANGED[situation])}")
     _refuse_copies_of_labkit()
 
 
-def _why(situation: str) -> str:
-    if "host" in situation:
+CHANGED = {what: (host, days) for what, host, days in another_machine.SITUATIONS}
+
+
+def _why(host: str | None, days: float) -> str:
+    if host is not None:
         return ("your seed depends on the machine (its host name, address or id): every node of a run must draw "
                 "alike for the same sample, and a rerun on other nodes must replay")
-    if "later" in situation:
+    if days:
         return "your seed depends on the date or the clock: a rerun next week must draw what this one drew"
     return ("Python's hash() of a string or bytes is salted per process; use a hash that is not (hashlib) or "
             "arithmetic of your own, and nothing of the process (its id, group or clock)")
