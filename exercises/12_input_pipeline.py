@@ -14,19 +14,26 @@ sample its own generator, seeded from what identifies the sample in the run::
 
     generator = torch.Generator().manual_seed(sample_seed(seed, dp_rank, epoch, index))
 
-Write ``sample_seed``.  It must return an ``int`` in ``[0, 2**63)`` (what ``manual_seed`` takes), give two
-different keys two different seeds (the checks try 700,000 keys and look for any two alike: think of what a sum,
-an xor, numbers written out one after the other or a 32-bit hash does there), and give the same seed in every
-process: in a ``DataLoader`` worker, in another interpreter (where Python's ``hash`` of a string is salted
-differently), next week.  ``seed``, ``dp_rank``, ``epoch`` and ``index`` are integers from 0 to ``2**62``.
+Write ``sample_seed``.  It must return a Python ``int`` in ``[0, 2**63)``, what ``manual_seed`` takes (it refuses
+numpy's integers), give two different keys two different seeds, and give the same seed in every process: in a
+``DataLoader`` worker, in another interpreter (where Python's ``hash`` of a string is salted differently), on
+another machine, next week.  ``seed``, ``dp_rank``, ``epoch`` and ``index`` are integers from 0 to ``2**62``.
+
+The checks try 4.5 million keys, as many as a short run draws, and look for any two alike: think of what a sum,
+an xor or numbers written out one after the other do there.  A hash of ``b`` bits gives about ``n^2 / 2^(b+1)``
+pairs alike among ``n`` keys by chance (the birthday bound): a 32-bit one thousands, a 40-bit one about nine
+(passing 700,000 keys by luck, failing a real run's hundreds of millions), so the checks also look at the width:
+every one of the 63 bits must be 0 in some seeds and 1 in others.  And they import your file as on other hosts
+and on later days: nothing of the machine or the clock may enter the seed.
 
 (torch's CPU generator keeps only the low 32 bits of a seed, so distinct seeds give at most 2**32 distinct streams
-and a few samples in a large run share their augmentation by chance.  That is noise; what the checks look for is
-structure: every rank, or every epoch, drawing alike.)
+and a few samples in a large run share their augmentation by chance.  That is the CPU generator's limit, harmless
+noise; a generator that takes 64 bits (CUDA's Philox, numpy's) uses the whole seed, so the checks hold the seed
+itself to 63 bits.)
 
 Then run the grading cell of ``notebooks/12_monitoring_and_input_pipeline.ipynb`` (or ``labkit grade``).  While
-the checks run, labkit's own ``labkit.loader.sample_seed`` is switched off: the answer must be yours.  The
-standard library has what you need (``hashlib``, ``struct``, or integer arithmetic of your own).
+the checks run, labkit's own ``labkit.loader.sample_seed`` is switched off, however it is loaded: the answer must
+be yours.  The standard library has what you need (``hashlib``, ``struct``, or integer arithmetic of your own).
 """
 
 

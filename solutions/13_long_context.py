@@ -18,16 +18,20 @@ keys contribute.  Three functions:
 2. ``zigzag_positions(seq_len, cp, rank) -> list[int]``: context parallelism splits a causal sequence over ``cp``
    ranks.  Pad it at the end to the next multiple of ``2 cp`` tokens, cut that into ``2 cp`` equal chunks, and
    give rank ``r`` chunks ``r`` and ``2 cp - 1 - r``, in that order.  Return the positions (in the padded
-   sequence) of the tokens rank ``rank`` holds.  Every rank then does the same causal work.
+   sequence) of the tokens rank ``rank`` holds, as a list of ints: a caller indexes q, k and v with them, so
+   not a generator (read once) and not floats.  Every rank then does the same causal work.
 3. ``blockwise_attention(q, k, v, block_size) -> (out, lse)``: causal attention of ``q`` over ``k, v`` (all
    ``[..., s, d]``, query ``i`` sees keys ``0 .. i``, scores scaled by ``1 / sqrt(d)``), computed over blocks of
    ``block_size`` keys (the last one shorter) merged with your ``merge_partials``.  It must never form more than
    ``s x block_size`` scores per (batch, head) at once: the checks watch the largest tensor it creates.
 
 Then run the grading cell of ``notebooks/13_long_context.ipynb`` (or ``labkit grade``); the checks run on the CPU,
-with tensors of 2 to 4 dimensions and head sizes other than the examples'.  labkit's own
-``labkit.parallel.context`` and torch's fused attention (``scaled_dot_product_attention`` and its kernels) are
-switched off while the checks run: the answers must be yours.
+with tensors of 2 to 4 dimensions and head sizes other than the examples', and also hand your functions what a
+real caller does: q, k and v laid out transposed (not contiguous: use ``.reshape``, not ``.view``), in float32
+(keep the inputs' dtype) and on the ``meta`` device, which stands for a GPU (make new tensors with
+``device=q.device``).  labkit's own ``labkit.parallel.context``, however it is loaded, torch's fused attention
+(``scaled_dot_product_attention``, its kernels, flex attention) and torch's context parallelism (its head-tail
+load balancer, its merger of partial results) are switched off while the checks run: the answers must be yours.
 """
 
 import math

@@ -75,6 +75,14 @@ class CheckFailed(AssertionError):
     """Raised by a check with a hint for the student (what was expected, what came back)."""
 
 
+class Forbidden(CheckFailed):
+    """Student code called something the exercise asks it to write (labkit's or torch's own, or a copy of it): the
+    message says what, and why.  :mod:`labkit.grading.guard` and :mod:`labkit.grading.copies` raise it."""
+
+
+DEFAULT_REASON = "this exercise asks you to write it yourself"  # why, unless a check says otherwise
+
+
 @dataclass
 class CheckResult:
     name: str
@@ -306,7 +314,7 @@ def _run_check_here(check_fn, path) -> tuple[bool, str]:
         return False, f"raised {last}"
 
 
-_FORBIDDEN = "labkit.grading.guard.Forbidden: "  # how a rank's traceback names guard.Forbidden
+_FORBIDDEN = "labkit.grading.Forbidden: "  # how a rank's traceback names Forbidden
 
 
 def _crash_message(process) -> str:

@@ -18,19 +18,19 @@ implementations raise :class:`Forbidden` for as long as it lasts, however the st
   records the peer and the size of each message in a :class:`Traffic`, which a checker compares with the
   algorithm's schedule: data that moved any other way is missing from it;
 - the student's module's globals are scanned for forbidden callables whose code could not be swapped (none in
-  labkit today), which are replaced there.
+  labkit today), which are replaced there;
+- a copy of a forbidden function (its code loaded again, however) refuses too: :mod:`labkit.grading.copies`.
 
 A check may forbid torch's own answer to its exercise as well, by module, the same way
 (``@no_shortcuts(built_ins=[...])``): exercise 06 forbids DTensor's tensor parallelism and the differentiable
-collectives of ``torch.distributed.nn``, while leaving ``dist.all_reduce``, which its operators are built from;
-exercise 07 forbids the 1F1B schedules of ``torch.distributed.pipelining`` and the helpers that list their
-actions.
+collectives of ``torch.distributed.nn`` (not ``dist.all_reduce``, which its operators are built from), 07 the 1F1B
+schedules of ``torch.distributed.pipelining``, 13 torch's context parallelism (its load balancers and merger).
 
 :func:`graders_off_limits` keeps the checkers' own references (and any import of ``labkit.grading``) from the
 student's code; :func:`labkit.grading.files.observe` uses the swap to watch rather than refuse.  Everything is
 put back when the block ends (ranks a check forks inherit the swap).  Cost: a few ms to swap the ~500 functions
 (by code compiled once); under the dispatch mode every tensor operation makes one extra Python call.  The guard
-stops honest shortcuts, not an adversary, who can dig out what it swapped.
+stops the shortcuts an honest student takes, not an adversary (who can put back what it swapped).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit.grading import CheckFailed
+from labkit.grading import DEFAULT_REASON, Forbidden, copies
 
 # Where labkit implements an exercise.  A package stands for all its modules; a dotted name for one function
 # or class.  Only what is *defined* in a module counts: labkit.collectives re-exports chunk_bounds, which stays
@@ -88,15 +88,10 @@ POINT_TO_POINT_OPERATORS = ("send", "recv_", "recv_any_source_", "barrier", "mon
 TORCH_COLLECTIVE_MODULES = ("torch.distributed.distributed_c10d", "torch.distributed._functional_collectives",
                             "torch.distributed.nn.functional")
 
-DEFAULT_REASON = "this exercise asks you to write it yourself"
 POINT_TO_POINT_REASON = "build it from point-to-point messages (dist.isend / dist.irecv)"
 HOLE = "<labkit.grading.guard: the value>"  # a constant in a swapped function's statement: code_running's value
 # A swapped function runs with its own globals: it reaches the exception class through __import__.
 _REFUSED = f"raise __import__({__name__!r}, fromlist=['_']).Forbidden({HOLE!r})"
-
-
-class Forbidden(CheckFailed):
-    """Student code called something the exercise asks it to write: the message says what, and why."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -184,12 +179,14 @@ def no_shortcuts(check: Callable[[types.ModuleType], None] | None = None, *,
     the torch modules named in ``built_ins``: ``@no_shortcuts`` or ``@no_shortcuts(allow=[...])``.  Ranks the
     check launches inherit the guard."""
     allow, library = tuple(allow), LABKIT_IMPLEMENTATIONS + tuple(built_ins)
-    _refusals(library, allow, DEFAULT_REASON)  # now, at the checker's import: the check processes inherit them
+    watched = copies.Refused.of(_refusals(library, allow, DEFAULT_REASON),  # now, at the checker's import, from the
+                                [f for name in allow for f in _functions(_resolve(name))])  # code the guard swaps
 
     def decorate(check: Callable[[types.ModuleType], None]) -> Callable[[types.ModuleType], None]:
         @functools.wraps(check)
         def guarded(module: types.ModuleType) -> None:
-            with forbid(module, library=library, allow=allow), graders_off_limits(module):
+            with copies.refused(watched, swap_code), forbid(module, library=library, allow=allow), \
+                    graders_off_limits(module):
                 check(module)
 
         guarded.guarded = True  # tests/test_grading.py asserts every check has it
@@ -333,11 +330,8 @@ def _refusals(library: tuple[str, ...], allow: tuple[str, ...], reason: str,
                for name, function in vars(sys.modules[module_name]).items()
                if type(function) is types.FunctionType and function.__module__ == module_name
                and COLLECTIVE_NAME.match(name)]
-    refusals = []
-    for function, whose in chosen:
-        message = f"used {_public_name(function)}, {whose}: {reason}"
-        refusals.append((function, message, code_running(function, _REFUSED, value=message)))
-    return refusals
+    messages = [(function, f"used {_public_name(function)}, {whose}: {reason}") for function, whose in chosen]
+    return [(function, message, code_running(function, _REFUSED, value=message)) for function, message in messages]
 
 
 def _public_name(function: types.FunctionType) -> str:
