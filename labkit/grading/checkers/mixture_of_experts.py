@@ -153,7 +153,8 @@ def check_route(module) -> None:
         _, scores, bias = case.inputs()  # differentiable, as the gate hands them over
         before = [scores.detach().clone(), bias.clone()]
         what = f"route of {case.label()}"
-        found = _tensor(_run(module, "route", what, scores, bias, case.top_k), what, (*case.lead, case.top_k), torch.long,
+        found = _tensor(_run(module, "route", what, scores, bias, case.top_k), what, (*case.lead, case.top_k),
+                        torch.long,
                         "expert ids index the experts' weights and the all-to-all's rows; integers of any other "
                         "dtype are read as a mask (bool, uint8) or overflow past 32,767 (int16)")
         _unchanged(before, [scores, bias], what)
@@ -262,11 +263,12 @@ def check_capacity(module) -> None:
                               "a whole number of choices, and it sizes the experts' buffers")
         if found != want:
             exact = Fraction(factor) * tokens * top_k / n_experts
+            fewer = rules.capacity(tokens, 1, n_experts, factor)  # the tokens counted, not their choices
             hint = (" (rounded down, or to the nearest: an expert must have room for its whole share, so round "
                     "up)" if found == int(exact) else " (one more than the share when it is a whole number: round "
                     "up, do not add one)" if found == want + 1 else " (rounded to the nearest: round up)"
-                    if found == round(exact) else " (is every choice counted? T tokens make T k choices)" if found == rules.capacity(
-                        tokens, 1, n_experts, factor) else "")
+                    if found == round(exact) else " (is every choice counted? T tokens make T k choices)"
+                    if found == fewer else "")
             raise CheckFailed(f"{what} returned {found}; expected {want}: C T k / E = {float(exact):g}{hint}")
     copies.refuse_copies_of_labkit()
 
@@ -296,8 +298,9 @@ def check_kept(module) -> None:
                 "one more than the capacity kept": rules.served(ids, n_experts, limit, at_most=1),
                 "one fewer than the capacity kept": rules.served(ids, n_experts, limit, at_most=-1)}
             loads = rules.loads(ids, n_experts).tolist()
-            raise CheckFailed(f"{what}: token {token}'s choices (experts {_rows(ids, token)}) got {_rows(found, token)}, "
-                              f"expected {_rows(want, token)} (the experts' loads {loads}){_hint(found, rivals)}")
+            raise CheckFailed(f"{what}: token {token}'s choices (experts {_rows(ids, token)}) got "
+                              f"{_rows(found, token)}, expected {_rows(want, token)} (the experts' loads {loads})"
+                              f"{_hint(found, rivals)}")
     ids = rules.skewed_ids((4, 5), 8, 3, 7)
     for limit in (2, None):
         _on_meta(module, "kept_choices", (rules.noncontiguous(ids), 8, limit), torch.bool, tuple(ids.shape))

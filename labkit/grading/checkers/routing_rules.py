@@ -218,8 +218,8 @@ BIAS_CASES = [((24,), 8, 2, 0.3, 0, torch.float32, True, 0.01), ((9,), 4, 1, 0.2
 # ids chosen by hand: every expert at the mean load (no bias moves); loads [3, 2, 2, 2], a mean of 2.25 (three
 # experts below it, none above by a whole choice); and every token on expert 0 (``bincount`` without ``minlength``
 # gives one count, which broadcasts)
-EXPLICIT_LOADS = [(torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]]), 4), (torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3])[:, None], 4),
-                  (torch.zeros(6, 1, dtype=torch.long), 4)]
+EXPLICIT_LOADS = [(torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]]), 4),
+                  (torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3])[:, None], 4), (torch.zeros(6, 1, dtype=torch.long), 4)]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -341,8 +341,8 @@ def _layer_message(key: str, found: dict, want: dict) -> str:
         at = f" at flat index {index}" if got.dim() else ""
         return (f"{shown} gave {flat_got[index].item():.6g}{at}, the rules {flat_expected[index].item():.6g} "
                 "(everything before it agreed; the single checks above say why)")
-    shape = tuple(got.shape) if isinstance(got, torch.Tensor) else got
-    return f"{shown} gave {shape}, the rules {tuple(expected.shape) if isinstance(expected, torch.Tensor) else expected}"
+    shapes = [tuple(value.shape) if isinstance(value, torch.Tensor) else value for value in (got, expected)]
+    return f"{shown} gave {shapes[0]}, the rules {shapes[1]}"
 
 
 def _bias_message(found: dict, want: dict, bias: torch.Tensor, local: torch.Tensor, averaged: torch.Tensor,
