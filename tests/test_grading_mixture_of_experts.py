@@ -66,6 +66,26 @@ def test_a_refusal_the_students_code_catches_is_raised_when_its_call_returns():
                 pass  # caught, and an answer returned regardless
 
 
+def test_a_profile_hook_set_before_still_sees_every_call_and_is_put_back():
+    seen: list[str] = []
+
+    def earlier(frame, event, arg):
+        if event == "call":
+            seen.append(frame.f_code.co_name)
+
+    def students_function():
+        return 1
+
+    sys.setprofile(earlier)
+    try:
+        with own_code.only_own_code(checks.FILES, None):
+            students_function()
+        assert sys.getprofile() is earlier
+    finally:
+        sys.setprofile(None)
+    assert "students_function" in seen
+
+
 def test_bincount_on_meta_is_only_given_a_size_while_a_probe_runs():
     ids = torch.tensor([0, 2, 2]).to("meta")
     with checks._meta_counts():

@@ -389,8 +389,7 @@ def check_update_bias(module) -> None:
 
 @guard.no_shortcuts
 def check_layer(module) -> None:
-    """the six in a layer's training steps on 2, 3 and 4 processes with uneven batches: every rank's choices,
-    drops, weights, output, gate gradient and bias"""
+    """all six in a layer's training steps on 2-4 ranks, uneven batches: choices, drops, weights, gradient, bias"""
     copies.refuse_copies_of_labkit()
     for setting in rules.LAYER_SETTINGS:
         results = launch(rules.layer_steps, module, call, setting, nprocs=setting.world, timeout=LAUNCH_TIMEOUT,

@@ -72,6 +72,7 @@ def only_own_code(files: tuple[str, ...], student_file: str | None, allowed: Ite
     allowed_ids = {id(code) for code in allowed}
     verdicts: dict[int, tuple[types.CodeType, str | None]] = {}  # by id, the code held so that ids stay unique
     refused: list[str] = []
+    previous = sys.getprofile()
 
     def verdict(code: types.CodeType) -> str | None:
         if id(code) in allowed_ids:
@@ -84,6 +85,8 @@ def only_own_code(files: tuple[str, ...], student_file: str | None, allowed: Ite
         return None
 
     def hook(frame: types.FrameType, event: str, arg: object) -> None:
+        if previous is not None:  # a profile hook set before this one (a guard's, a profiler) still sees every event
+            previous(frame, event, arg)
         if event != "call":
             return
         code = frame.f_code
@@ -93,7 +96,6 @@ def only_own_code(files: tuple[str, ...], student_file: str | None, allowed: Ite
             refused.append(why)
             raise Forbidden(f"ran {why}: {DEFAULT_REASON}")
 
-    previous = sys.getprofile()
     sys.setprofile(hook)
     try:
         yield
