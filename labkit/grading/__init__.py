@@ -65,7 +65,7 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
     "long_context": ("13_long_context.py", "labkit.grading.checkers.long_context",
                      "Long sequences: the LSE merge of partial attention, the zig-zag split, blockwise attention"),
     "mixture_of_experts": ("14_mixture_of_experts.py", "labkit.grading.checkers.mixture_of_experts",
-                           "Mixture of experts: expert parallelism's send counts, dispatch order and its inverse"),
+                           "Mixture of experts: the router's choice and weights, the capacity's drops, balance"),
 }
 
 DEFAULT_CHECK_TIMEOUT = 60.0
