@@ -1,11 +1,10 @@
 """While a student's function runs, no code of labkit's implementation of the exercise may run, however loaded.
 
-:mod:`labkit.grading.guard` swaps the code of labkit's functions as imported, and
-:func:`labkit.grading.copies.refuse_copies_of_labkit` refuses a copy of a labkit file registered in ``sys.modules``
-under another name.  Two ways round both stay open: a module built by ``importlib.util.module_from_spec`` from
-labkit's file and never registered, and labkit's source executed into a plain namespace (``exec(source, {})``).
-:func:`only_own_code` closes them for the files a checker names (labkit's implementation, the checker's own):
-while the block runs, a profile hook sees every Python function about to start and refuses one
+:mod:`labkit.grading.guard` swaps the code of the functions a check refuses, and :mod:`labkit.grading.copies`
+refuses copies of those functions however they were loaded.  An exercise whose whole subject is a folder of labkit
+(exercise 14: ``labkit.parallel.experts``) needs more than its refused list: a helper of that folder, or a copy of
+one, must not run inside the student's answer either.  :func:`only_own_code` does that for the files a checker
+names (labkit's implementation, the checker's own): while the block runs, a profile hook sees every Python function about to start and refuses one
 
 - whose code was compiled from one of those files (a module built from the file keeps its name), or
 - whose bytecode and names are those of a function of those files, compiled anywhere but in the student's own
