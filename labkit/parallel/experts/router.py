@@ -141,6 +141,17 @@ def drop_over_capacity(experts: torch.Tensor, n_experts: int, capacity: int | No
     return (place < capacity).view(experts.shape[1], experts.shape[0]).t()
 
 
+class Gate(nn.Linear):
+    """The router's linear gate (no bias), computed in float32 at least, outside autocast, whatever the dtype of its
+    inputs and weight (float64 stays float64): Switch's selective precision.  A module of its own, so that the
+    weight is used inside its layer's forward (a split pipeline backward finds it there)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(tokens.dtype, torch.float32)
+        with torch.autocast(tokens.device.type, enabled=False):
+            return F.linear(tokens.to(dtype), self.weight.to(dtype))
+
+
 class Router(nn.Module):
     """Linear gate, scores, top-k, capacity; see the module docstring.  ``forward(tokens [T, h]) -> Routing``."""
 
@@ -149,15 +160,12 @@ class Router(nn.Module):
         super().__init__()
         check_moe(n_experts, top_k, score=score, capacity_factor=capacity_factor)
         self.n_experts, self.top_k, self.score, self.capacity_factor = n_experts, top_k, score, capacity_factor
-        self.gate = nn.Linear(n_embd, n_experts, bias=False, device=device)
+        self.gate = Gate(n_embd, n_experts, bias=False, device=device)
         # DeepSeek-V3's balancing bias: shifts the choice only; a buffer (no gradient), saved in checkpoints.
         self.register_buffer("bias", torch.zeros(n_experts, device=device))
 
     def forward(self, tokens: torch.Tensor) -> Routing:
-        # Selective precision: float32 at least (float64 stays float64), autocast or not.
-        dtype = torch.promote_types(tokens.dtype, torch.float32)
-        with torch.autocast(tokens.device.type, enabled=False):
-            logits = F.linear(tokens.to(dtype), self.gate.weight.to(dtype))
+        logits = self.gate(tokens)  # float32 at least (Gate)
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         chosen = (scores.detach() + self.bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
