@@ -170,20 +170,20 @@ def plot_rank_work(rows: Mapping[str, Sequence[int]], seconds: Mapping[str, Sequ
     return figure
 
 
-def plot_capacity(factors: Sequence[str], dropped: Sequence[float], seconds: Sequence[float],
+def plot_capacity(factors: Sequence[str], dropped: Sequence[float], relative: Sequence[float],
                   predicted: Sequence[float] | None = None) -> Figure:
-    """Per capacity factor: the share of assignments dropped, and the layer's measured forward + backward beside
-    the model's (``predicted``)."""
+    """Per capacity factor: the share of assignments dropped, and the layer's measured forward + backward over the
+    unlimited layer's (``relative``) beside the model's (``predicted``)."""
     figure = Figure(figsize=(10, 3.3))
     left, right = figure.subplots(1, 2)
     left.bar(factors, [100 * d for d in dropped], color="#C44E52")
     left.set_ylabel("assignments dropped (%)")
-    right.bar(factors, [1e3 * s for s in seconds], color="#4C72B0", label="measured (CPU time, one thread)")
+    right.bar(factors, relative, color="#4C72B0", label="measured (CPU time, one thread)")
     if predicted is not None:
-        right.scatter(factors, [1e3 * s for s in predicted], color="black", marker="_", s=900, linewidths=2,
-                      zorder=3, label="model: no limit's time less its experts' share of what is dropped")
+        right.scatter(factors, predicted, color="black", marker="_", s=900, linewidths=2, zorder=3,
+                      label="model: 1 - (experts' share of the time) x (share dropped)")
         right.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False, markerscale=0.35)
-    right.set_ylabel("forward + backward (ms)")
+    right.set_ylabel("forward + backward / no limit's")
     for axis in (left, right):
         axis.set_xlabel("capacity factor")
         axis.grid(True, axis="y", alpha=0.3)
