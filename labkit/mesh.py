@@ -108,16 +108,21 @@ def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int 
 
 def describe_layout(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> str:
     """A table of every rank's coordinates, then each dimension's groups (no process group needed).  The cp
-    column and groups appear when ``cp > 1``, the ep and edp groups when ``ep > 1``."""
+    column and groups appear when ``cp > 1``; with ``ep > 1`` an ep column (the rank's place in its ep group: it
+    holds experts ``ep x E / ep ..``) and the ep and edp groups."""
     check_degrees(dp, tp, pp, cp)
     world_size = dp * cp * tp * pp
     coordinates = mesh_coordinates(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
-    shown = [dim for dim in DIMS if dim != "cp" or cp > 1]
+    groups = mesh_groups(world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    if ep > 1:  # not a grid axis: folded over dp x cp
+        for group in groups["ep"]:
+            for place, rank in enumerate(group):
+                coordinates[rank] = {**coordinates[rank], "ep": place}
+    shown = [dim for dim in DIMS if dim != "cp" or cp > 1] + (["ep"] if ep > 1 else [])
     lines = ["rank  " + "  ".join(f"{dim:>2}" for dim in shown)]
     lines += [f"{rank:>4}  " + "  ".join(f"{coords[dim]:>2}" for dim in shown)
               for rank, coords in enumerate(coordinates)]
-    groups = mesh_groups(world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-    for dim in [*reversed(shown), *(EXPERT_GROUPS if ep > 1 else ())]:
+    for dim in [*reversed([dim for dim in shown if dim in DIMS]), *(EXPERT_GROUPS if ep > 1 else ())]:
         lines.append(f"{dim} groups: " + " ".join(map(str, groups[dim])))
     return "\n".join(lines)
 

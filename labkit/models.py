@@ -145,6 +145,7 @@ class GPTConfig:
     capacity_factor: float | None = None  # None: drop nothing
     aux_loss_weight: float = 0.0  # Switch's load-balancing loss (0.01 in the paper)
     bias_update_rate: float = 0.0  # DeepSeek-V3's bias balancing (gamma; 0.001 in the paper); 0: off
+    z_loss_weight: float = 0.0  # ST-MoE's router z-loss (0.001 in the paper)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -160,7 +161,8 @@ class GPTConfig:
         if self.n_experts:
             check_moe(self.n_experts, self.top_k, score=self.router, capacity_factor=self.capacity_factor,
                       n_shared_experts=self.n_shared_experts, expert_hidden=self.expert_hidden,
-                      aux_loss_weight=self.aux_loss_weight, bias_update_rate=self.bias_update_rate)
+                      aux_loss_weight=self.aux_loss_weight, bias_update_rate=self.bias_update_rate,
+                      z_loss_weight=self.z_loss_weight)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:
@@ -241,7 +243,7 @@ def feed_forward(config: GPTConfig) -> nn.Module:
         return MLP(config)
     return MoE(config.n_embd, config.n_experts, config.top_k, expert_hidden=config.expert_hidden,
                score=config.router, capacity_factor=config.capacity_factor, n_shared_experts=config.n_shared_experts,
-               aux_loss_weight=config.aux_loss_weight, bias=config.bias)
+               aux_loss_weight=config.aux_loss_weight, z_loss_weight=config.z_loss_weight, bias=config.bias)
 
 
 class Block(nn.Module):

@@ -50,6 +50,18 @@ def test_the_presets_have_their_published_sizes():
     assert expert_parameters(dense) == 0 and num_parameters(dense, active=True) == num_parameters(dense)
 
 
+def test_deepseek_v3s_active_count_includes_the_embedding_and_head_as_deepseek_counts_it():
+    """DeepSeek's weight documentation (README_WEIGHTS.md): 36.7B activated, "including 0.9B for Embedding and 0.9B
+    for the output Head" (the report's "37B").  labkit's count with both lies within 2.5% of it; the rival count
+    without them (a scaling-law convention) lies further; a token's 8 routed and 1 shared experts are as wide as a
+    dense layer's MLP."""
+    shape = TransformerShape.preset("deepseek-v3")
+    active, embedding = num_parameters(shape, active=True), shape.vocab_size * shape.hidden_size
+    assert embedding == pytest.approx(0.93e9, rel=0.01)
+    assert abs(active - 36.7e9) <= 0.025 * 36.7e9 < abs(active - 2 * embedding - 36.7e9)
+    assert (shape.top_k + shape.shared_experts) * shape.expert_ffn_hidden_size == shape.ffn_hidden_size
+
+
 def test_an_moe_step_counts_the_active_weights_only():
     mixtral = TransformerShape.preset("mixtral-8x7b")
     dense_twin = dataclasses.replace(mixtral, num_experts=0)  # one expert's width as the MLP: k = 1 of 1

@@ -4,7 +4,8 @@ The layer: every rank routes its own tokens (uneven counts), the experts live on
 output and input gradient equal one process running the whole layer on that rank's tokens; each expert's
 gradient, the sum over every rank's tokens; the router's, the rank's own (fp64, 1e-12), with dropped tokens and
 without.  Every all-to-all's bytes equal ``labkit.costmodel.experts`` for the splits the router made, and under
-uniform routing ``T k h b (ep - 1) / ep``.  Then TinyGPT with MoE blocks through ``parallelize`` (ep folded over
+uniform routing ``T k h b (ep - 1) / ep``; traced, the experts' backward sits between the combine's gradient and
+the dispatch's (lesson 14's timeline).  Then TinyGPT with MoE blocks through ``parallelize`` (ep folded over
 dp and cp, with tp and pp, every schedule) against one process, and ``labkit.train --ep``.
 """
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from labkit import trace
 from labkit.costmodel.experts import ep_messages, ep_uniform_bytes
 from labkit.degrees import check_ep
 from labkit.launch import launch
@@ -74,7 +76,19 @@ def _layer_cases() -> list[dict]:
                         "counts": [m for m in ep.log if m[1] == "counts"],
                         "held": [i for i, e in enumerate(layer.experts) if e is not None]})
     results.append(_uniform_and_empty(size, me))
+    results.append(_traced())
     return results
+
+
+def _traced() -> dict:
+    """One traced forward and backward: this rank's spans, (name, start, end), in the order they ended."""
+    layer = _layer(None)
+    apply_expert_parallel(layer, ExpertParallelGroup(None))
+    trace.enable()
+    layer(torch.randn(2, 5, H, dtype=torch.float64, requires_grad=True)).sum().backward()
+    spans = [(span.name, span.start_s, span.end_s) for span in trace.spans()]
+    trace.disable()
+    return {"spans": spans}
 
 
 def _uniform_and_empty(size: int, me: int) -> dict:
@@ -113,6 +127,11 @@ def test_the_expert_parallel_layer_equals_one_process_and_sends_what_the_model_s
         assert sorted(results[2]["uniform"]) == sorted(
             [("forward", "counts", (E - E // ep) * 8), ("forward", "dispatch", uniform),
              ("forward", "combine", uniform), ("backward", "dcombine", uniform), ("backward", "ddispatch", uniform)])
+        spans = {name: (start, end) for name, start, end in results[3]["spans"]}
+        experts = f"experts {rank * E // ep}-{(rank + 1) * E // ep - 1}"
+        assert spans[f"{experts} backward"][0] >= spans[f"{experts}"][1], spans  # the backward after the forward
+        assert spans["ep all-to-all dcombine"][1] <= spans[f"{experts} backward"][0], spans
+        assert spans[f"{experts} backward"][1] <= spans["ep all-to-all ddispatch"][0], spans
         send, receive = results[2]["splits"][0]
         assert send == [16 * K if r == 0 else 0 for r in range(ep)]
         assert receive == ([16 * K] * ep if rank == 0 else [0] * ep)

@@ -71,6 +71,20 @@ def test_every_rank_is_in_exactly_one_group_per_dimension():
         assert sorted(rank for group in groups[dim] for rank in group) == list(range(24)), dim
 
 
+def test_describe_layout_gives_each_rank_its_place_in_its_ep_group():
+    """Lesson 14's table: with ep > 1 an ep column, each rank's place in its ep group (it holds the experts from that
+    place times E / ep), and the ep and edp groups, each listed once; with tp = 8 filling an 8-GPU node, every ep
+    group has one rank a node."""
+    lines = describe_layout(dp=4, tp=2, ep=2).splitlines()
+    assert lines[0].split() == ["rank", "pp", "dp", "tp", "ep"]
+    assert [int(line.split()[-1]) for line in lines[1:9]] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [line.split(":")[0] for line in lines[9:]] == ["tp groups", "dp groups", "pp groups", "ep groups",
+                                                        "edp groups"]
+    groups = mesh_groups(64, dp=8, tp=8, ep=8)["ep"]
+    assert all(len({rank // 8 for rank in group}) == 8 for group in groups)
+    assert "ep" not in describe_layout(dp=4, tp=2).splitlines()[0].split()
+
+
 def test_describe_layout_shows_every_rank_and_every_group():
     text = describe_layout(dp=2, tp=2, pp=2)
     assert text.splitlines()[0].split() == ["rank", "pp", "dp", "tp"]

@@ -13,6 +13,7 @@ import ipywidgets as widgets
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from labkit import trace
 from labkit.costmodel.experts import ep_uniform_bytes
@@ -39,8 +40,9 @@ def plot_routing(gates: torch.Tensor, experts: torch.Tensor, kept: torch.Tensor,
     left.set_xlabel("expert")
     left.set_ylabel("token")
     left.set_xticks(range(n_experts))
-    left.legend(loc="lower right", fontsize=7)
-    left.set_title(title or "the router's choices", fontsize=9)
+    # legends above the axes, beside the data rather than on it
+    left.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2, fontsize=8, frameon=False)
+    left.set_title(title or "the router's choices", fontsize=9, pad=24)
     assigned = torch.bincount(experts.reshape(-1), minlength=n_experts).numpy()
     received = torch.bincount(experts[kept], minlength=n_experts).numpy()
     right.bar(range(n_experts), received, color="#4C72B0", label="computed")
@@ -50,61 +52,98 @@ def plot_routing(gates: torch.Tensor, experts: torch.Tensor, kept: torch.Tensor,
     right.set_xlabel("expert")
     right.set_ylabel("assignments (tokens x choices)")
     right.set_xticks(range(n_experts))
-    right.legend(fontsize=7)
-    right.set_title("load per expert", fontsize=9)
+    right.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=3, fontsize=8, frameon=False)
+    right.set_title("load per expert", fontsize=9, pad=24)
     figure.tight_layout()
     return figure
 
 
-def plot_balance(imbalance: Mapping[str, Sequence[float]], losses: Mapping[str, Sequence[float]]) -> Figure:
-    """Per run, the busiest expert's share over the mean (1 = balanced) and the language-model loss, step by step."""
-    figure = Figure(figsize=(10, 3.4))
+def plot_balance(imbalance: Mapping[str, Sequence[float]], windowed: Mapping[str, Sequence[float]],
+                 losses: Mapping[str, Sequence[float]], floor: float | None = None, window: int = 20) -> Figure:
+    """Per run, step by step: the busiest expert's load over the mean in each step's batch (thin) and in the last
+    ``window`` steps' batches together (thick, dashed), ``floor`` the first for a router spreading the tokens
+    uniformly at random; right, the language-model loss."""
+    figure = Figure(figsize=(10, 4.3))
     left, right = figure.subplots(1, 2)
     for name, values in imbalance.items():
-        left.plot(range(1, len(values) + 1), values, color=RUN_COLORS.get(name), label=name)
-        right.plot(range(1, len(losses[name]) + 1), losses[name], color=RUN_COLORS.get(name), label=name)
-    left.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+        color = RUN_COLORS.get(name)
+        left.plot(range(1, len(values) + 1), values, color=color, linewidth=0.9, label=f"{name}: each step")
+        left.plot(range(1, len(windowed[name]) + 1), windowed[name], color=color, linewidth=2.2, linestyle="--",
+                  label=f"{name}: last {window} steps together")
+        right.plot(range(1, len(losses[name]) + 1), losses[name], color=color, label=name)
+    if floor is not None:
+        left.axhline(floor, color="black", linewidth=1, linestyle=":", label=f"uniform random router: {floor:.2f}")
     left.set_xlabel("step")
     left.set_ylabel("busiest expert / mean load")
-    left.set_title("load imbalance, every MoE layer's worst", fontsize=9)
+    left.set_title("load imbalance, the worst of the 4 MoE layers", fontsize=9)
+    left.set_yscale("log")
+    left.set_yticks([1, 1.5, 2, 3, 4, 6, 8], ["1", "1.5", "2", "3", "4", "6", "8"])
     right.set_xlabel("step")
     right.set_ylabel("loss (nats)")
     right.set_title("language-model loss (the auxiliary loss left out)", fontsize=9)
     for axis in (left, right):
         axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=7)
+    handles, labels = left.get_legend_handles_labels()  # below both panels: the colours are the runs in each
+    figure.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0.17, 1, 1))
+    return figure
+
+
+def plot_z_loss(z: Mapping[str, Sequence[float]]) -> Figure:
+    """Per run, the router z-loss (the mean over the MoE layers of ``mean_t logsumexp(logits)^2``), step by step."""
+    figure = Figure(figsize=(6.5, 2.8))
+    axis = figure.subplots()
+    for name, values in z.items():
+        axis.plot(range(1, len(values) + 1), values, label=name)
+    axis.set_xlabel("step")
+    axis.set_ylabel("router z-loss (nats squared)")
+    axis.set_title("the router's log-partition, squared", fontsize=9)
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8)
     figure.tight_layout()
     return figure
 
 
 def plot_ep_trace(spans: Sequence[trace.Span], title: str = "one MoE layer over 4 ranks") -> Figure:
-    """One row per rank: its experts' forward compute and the all-to-alls (counts, dispatch, combine; forward then
-    backward), in ms from the first span.  The backward computation runs in the gaps (autograd, not traced)."""
+    """One row per rank: its experts' forward and backward compute and the all-to-alls (counts, dispatch, combine;
+    forward then backward), in ms from the first span.  What is not drawn (the router, the permutation, the
+    gradients of the gather and of the gates) runs in the gaps."""
     ranks = sorted({span.rank for span in spans})
     start = min(span.start_s for span in spans)
+    end = max(span.end_s for span in spans)
     colors = {"counts": "#F0F0F0", "dispatch": "#8C8C8C", "combine": "#C8C8C8", "ddispatch": "#8C8C8C",
               "dcombine": "#C8C8C8"}
-    figure = Figure(figsize=(10.5, 0.7 * len(ranks) + 1.4))
+    figure = Figure(figsize=(10.5, 0.85 * len(ranks) + 2.3))
     axis = figure.subplots()
     for row, rank in enumerate(ranks):
         for span in (s for s in spans if s.rank == rank):
+            hatch = None
             if span.name.startswith("experts"):
-                color, label = RANK_COLORS[rank % len(RANK_COLORS)], span.name.split()[-1]
+                backward = span.name.endswith("backward")
+                color = RANK_COLORS[rank % len(RANK_COLORS)]
+                label = span.name.split()[1] + (" bwd" if backward else " fwd")
+                hatch = "///" if backward else None
             elif span.name.startswith("ep all-to-all"):
-                kind = span.name.split()[-1]
-                color, label = colors.get(kind, "#BBBBBB"), kind
+                label = span.name.split()[-1]
+                color = colors.get(label, "#BBBBBB")
             else:
                 continue
-            axis.broken_barh([(1e3 * (span.start_s - start), 1e3 * span.seconds)], (row - 0.3, 0.6),
-                             facecolors=color, edgecolor="black", linewidth=0.3)
-            if span.seconds > 0.02 * max(s.end_s - start for s in spans):
+            axis.broken_barh([(1e3 * (span.start_s - start), 1e3 * span.seconds)], (row - 0.32, 0.64),
+                             facecolors=color, edgecolor="black", linewidth=0.4, hatch=hatch,
+                             alpha=0.6 if hatch else 1.0)
+            if span.seconds > 0.011 * len(label) * (end - start):  # room for the label at this size
                 axis.text(1e3 * (span.start_s - start + span.seconds / 2), row, label, ha="center", va="center",
-                          fontsize=6)
+                          fontsize=9)
     axis.set_yticks(range(len(ranks)), [f"rank {rank}" for rank in ranks])
     axis.set_ylim(len(ranks) - 0.5, -0.5)
     axis.set_xlabel("time (ms)")
-    axis.set_title(title + "\ncoloured: each rank's experts (forward); grey: the all-to-alls, dark the dispatch "
-                           "and its gradient, light the combine and its gradient", fontsize=9)
+    axis.set_title(title, fontsize=9)
+    key = [Patch(facecolor=colors["counts"], edgecolor="black", label="counts"),
+           Patch(facecolor=colors["dispatch"], edgecolor="black", label="dispatch; backward: ddispatch"),
+           Patch(facecolor=colors["combine"], edgecolor="black", label="combine; backward: dcombine"),
+           Patch(facecolor="white", edgecolor="black", label="a rank's experts, forward (its colour)"),
+           Patch(facecolor="white", edgecolor="black", hatch="///", label="its experts' backward")]
+    axis.legend(handles=key, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8, frameon=False)
     axis.grid(True, axis="x", alpha=0.3)
     figure.tight_layout()
     return figure
@@ -131,17 +170,77 @@ def plot_rank_work(rows: Mapping[str, Sequence[int]], seconds: Mapping[str, Sequ
     return figure
 
 
-def plot_capacity(factors: Sequence[str], dropped: Sequence[float], seconds: Sequence[float]) -> Figure:
-    """Per capacity factor: the share of assignments dropped, and the layer's measured forward + backward."""
-    figure = Figure(figsize=(10, 3.2))
+def plot_capacity(factors: Sequence[str], dropped: Sequence[float], relative: Sequence[float],
+                  predicted: Sequence[float] | None = None) -> Figure:
+    """Per capacity factor: the share of assignments dropped, and the layer's measured forward + backward over the
+    unlimited layer's (``relative``) beside the model's (``predicted``)."""
+    figure = Figure(figsize=(10, 3.3))
     left, right = figure.subplots(1, 2)
     left.bar(factors, [100 * d for d in dropped], color="#C44E52")
     left.set_ylabel("assignments dropped (%)")
-    right.bar(factors, [1e3 * s for s in seconds], color="#4C72B0")
-    right.set_ylabel("forward + backward (ms)")
+    right.bar(factors, relative, color="#4C72B0", label="measured (CPU time, one thread)")
+    if predicted is not None:
+        right.scatter(factors, predicted, color="black", marker="_", s=900, linewidths=2, zorder=3,
+                      label="model: 1 - (experts' share of the time) x (share dropped)")
+        right.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False, markerscale=0.35)
+    right.set_ylabel("forward + backward / no limit's")
     for axis in (left, right):
         axis.set_xlabel("capacity factor")
         axis.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def plot_expert_forms(rows: Mapping[str, int], seconds: Mapping[str, float], needed: int) -> Figure:
+    """Per way of running the experts (labkit.parallel.experts.grouped): the rows computed, padding included,
+    against the rows the router asked for, and the measured forward + backward."""
+    figure = Figure(figsize=(10, 3.2))
+    left, right = figure.subplots(1, 2)
+    names = list(rows)
+    left.bar(names, [rows[name] for name in names], color="#8172B2")
+    left.axhline(needed, color="black", linestyle="--", linewidth=1, label=f"rows routed: {needed:,}")
+    left.set_ylabel("rows computed (padding included)")
+    left.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False)
+    right.bar(names, [1e3 * seconds[name] for name in names], color="#4C72B0")
+    right.set_ylabel("forward + backward (ms, CPU time)")
+    for axis in (left, right):
+        axis.set_xlabel("how the experts run")
+        axis.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def plot_placement(loads: Sequence[Sequence[float]], placements: Sequence[Sequence[Sequence[int]]],
+                   gpus_per_node: int) -> Figure:
+    """Per layer: each GPU's load, stacked by the expert copies it holds (each labelled with its expert), beside
+    the mean and the heaviest expert's whole load (what a GPU holding it without a copy elsewhere would carry)."""
+    figure = Figure(figsize=(10, 3.4))
+    axes = figure.subplots(1, len(placements), squeeze=False)[0]
+    for layer, (axis, placement) in enumerate(zip(axes, placements, strict=True)):
+        copies = [0] * len(loads[layer])
+        for gpu in placement:
+            for expert in gpu:
+                copies[expert] += 1
+        for index, gpu in enumerate(placement):
+            bottom = 0.0
+            for expert in gpu:
+                share = loads[layer][expert] / copies[expert]
+                axis.bar(index, share, bottom=bottom, color=RANK_COLORS[expert % len(RANK_COLORS)],
+                         edgecolor="black", linewidth=0.5, hatch="//" if copies[expert] > 1 else None)
+                if share > 0.06 * max(loads[layer]):  # a label that fits its segment
+                    axis.text(index, bottom + share / 2, str(expert), ha="center", va="center", fontsize=8)
+                bottom += share
+        mean = sum(loads[layer]) / len(placement)
+        axis.axhline(mean, color="black", linestyle=":", linewidth=1, label=f"mean {mean:.1f}")
+        axis.axhline(max(loads[layer]), color="#C44E52", linestyle="--", linewidth=1,
+                     label=f"heaviest expert {max(loads[layer]):.0f}")
+        for boundary in range(gpus_per_node, len(placement), gpus_per_node):
+            axis.axvline(boundary - 0.5, color="grey", linewidth=1)
+        axis.set_xticks(range(len(placement)))
+        axis.set_xlabel(f"GPU ({gpus_per_node} a node; hatched: an expert with copies)")
+        axis.set_ylabel("tokens")
+        axis.set_title(f"layer {layer}: each GPU's expert copies", fontsize=9)
+        axis.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.06), ncol=2, frameon=False)
     figure.tight_layout()
     return figure
 

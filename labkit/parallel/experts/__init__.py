@@ -5,7 +5,11 @@
   inverse, the weighted sum back into the tokens;
 - ``layer``: the MoE layer (TinyGPT's MLP when ``GPTConfig.n_experts > 0``) and its dense reference;
 - ``dispatch``: expert parallelism's all-to-alls;
-- ``model``: expert parallelism applied to a model, the experts' gradients, bias balancing, the 3D layout.
+- ``model``: expert parallelism applied to a model, the experts' gradients, bias balancing, the 3D layout;
+- ``grouped``: every expert in one product (padded batch, MegaBlocks' block-sparse form, grouped GEMM), and the
+  rows each computes;
+- ``placement``: redundant experts and their placement on GPUs (DeepSeek's EPLB);
+- ``timing``: what lesson 14 measures (EP on launched ranks, balancing runs, the capacity factor, the forms).
 """
 
 from labkit.parallel.experts.dispatch import ExpertParallelGroup, check_expert_parallel

@@ -104,11 +104,33 @@ class ExpertParallelGroup:
         local = torch.arange(from_each.shape[1], device=rows.device).repeat(self.size)
         regroup = dispatch_order(local.repeat_interleave(from_each.reshape(-1)), from_each.shape[1], 1)
         start, first = time.thread_time(), self.experts(len(experts)).start
-        with trace.span(f"experts {first}-{first + from_each.shape[1] - 1}", "compute"):
-            computed = run_experts(received[regroup], from_each.sum(dim=0).tolist(), experts, first)
+        name = f"experts {first}-{first + from_each.shape[1] - 1}"
+        marks: dict[str, float] = {}  # the experts' backward on the trace: from its first gradient to its last
+        with trace.span(name, "compute"):
+            computed = run_experts(_Mark.apply(received[regroup], marks, f"{name} backward"),
+                                   from_each.sum(dim=0).tolist(), experts, first)
         if torch.is_grad_enabled():
             self.expert_seconds.append(time.thread_time() - start)
+        computed = _Mark.apply(computed, marks, None)
         return _AllToAll.apply(computed[inverse_permutation(regroup)], send, receive, self, "combine")
+
+
+class _Mark(torch.autograd.Function):
+    """Identity.  While tracing, its backward notes the time: placed after the experts (``name`` ``None``) it runs
+    as their backward starts; placed before them, as it ends, and records the span ``name`` from one to the other."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, marks: dict[str, float], name: str | None) -> torch.Tensor:
+        ctx.marks, ctx.name = marks, name
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.name is None:
+            ctx.marks["start"] = trace.now()
+        elif "start" in ctx.marks:
+            trace.add(ctx.name, "compute", ctx.marks["start"], trace.now())
+        return grad, None, None
 
 
 class _AllToAll(torch.autograd.Function):

@@ -6,6 +6,13 @@ router's scores: the parameters grow ``E`` times, the FLOPs per token ``k`` time
 parameters of which 13B work on each token; DeepSeek-V3, 671B and 37B).  Optionally ``n_shared_experts`` more
 MLPs see every token (DeepSeek-V3's shared expert), one MLP ``n_shared_experts`` times as wide.
 
+**Shared experts** (DeepSeekMoE, Dai et al. 2024, section 3.2).  With many small routed experts (DeepSeek's
+*fine-grained segmentation*: 256 of width 2048 where a dense layer would have one of 18432), every routed expert
+would otherwise relearn what all tokens need (syntax, frequent words).  Isolating that in experts every token
+goes through leaves the routed ones free to specialise; a token's FLOPs are its ``k`` routed experts plus the
+shared ones (DeepSeek-V3: 8 + 1 of width 2048, the 18432 of its dense layers), and a token whose routed choices
+were all dropped still gets the shared experts' output.
+
 **Where the auxiliary loss enters.**  The balancing loss is computed in the layer, but the loss lives at the end
 of the model (or of the pipeline, on another rank).  As Megatron-Core does (``MoEAuxLossAutoScaler``), the layer
 returns its output through :class:`_AuxLoss`, an identity in forward whose backward also gives the auxiliary
@@ -13,7 +20,7 @@ loss the gradient ``aux_loss_weight x scale``: ``scale`` is the factor the model
 its backward (1; the loss scaler's ``S / m`` with ``m`` micro-batches), set with :func:`aux_loss_scale` around
 the forward pass (the pipeline stages and the wrappers do).  So the gradients are those of
 ``loss + aux_loss_weight x sum of the layers' aux losses`` wherever the layers are, and the loss reported stays
-the language-model loss.
+the language-model loss.  ST-MoE's router z-loss (``z_loss_weight``) rides the same way.
 
 :func:`moe_reference` is the textbook definition, every expert on every token, to check the layer against.
 """
@@ -77,18 +84,18 @@ class MoE(nn.Module):
     another rank holds), optional shared experts.  ``forward(x [..., h]) -> [..., h]``.
 
     After each forward, :attr:`last` holds its routing statistics (``assigned``, ``received`` per expert,
-    ``dropped``, ``capacity``, ``aux_loss``), and :attr:`load` accumulates the assignments per expert until
+    ``dropped``, ``capacity``, ``aux_loss``, ``z_loss``), and :attr:`load` accumulates the assignments per expert until
     :func:`balance_experts` uses them.
     """
 
     def __init__(self, n_embd: int, n_experts: int, top_k: int, *, expert_hidden: int | None = None,
                  score: str = "softmax", capacity_factor: float | None = None, n_shared_experts: int = 0,
-                 aux_loss_weight: float = 0.0, bias: bool = True):
+                 aux_loss_weight: float = 0.0, z_loss_weight: float = 0.0, bias: bool = True):
         super().__init__()
         hidden = expert_hidden or 4 * n_embd
         check_moe(n_experts, top_k, score=score, capacity_factor=capacity_factor, n_shared_experts=n_shared_experts,
-                  expert_hidden=hidden, aux_loss_weight=aux_loss_weight)
-        self.aux_loss_weight = float(aux_loss_weight)
+                  expert_hidden=hidden, aux_loss_weight=aux_loss_weight, z_loss_weight=z_loss_weight)
+        self.aux_loss_weight, self.z_loss_weight = float(aux_loss_weight), float(z_loss_weight)
         self.router = Router(n_embd, n_experts, top_k, score, capacity_factor)
         self.experts = nn.ModuleList(Expert(n_embd, hidden, bias) for _ in range(n_experts))
         self.shared = Expert(n_embd, n_shared_experts * hidden, bias) if n_shared_experts else None
@@ -103,19 +110,20 @@ class MoE(nn.Module):
         out = route_to_experts(tokens, routing.experts, routing.weights, routing.kept, self.experts, self.ep)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        aux = routing.aux_loss()
-        self._record(routing, aux)
-        if self.aux_loss_weight and torch.is_grad_enabled():
-            out = _AuxLoss.apply(out, aux, self.aux_loss_weight * _SCALE[0])
+        aux, z = routing.aux_loss(), routing.z_loss()
+        self._record(routing, aux, z)
+        if (self.aux_loss_weight or self.z_loss_weight) and torch.is_grad_enabled():
+            penalty = self.aux_loss_weight * aux + self.z_loss_weight * z
+            out = _AuxLoss.apply(out, penalty, _SCALE[0])
         return out.view_as(x)
 
     @torch.no_grad()
-    def _record(self, routing: Routing, aux: torch.Tensor) -> None:
+    def _record(self, routing: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
         assigned = routing.assigned()
         if self.training:
             self.load = assigned if self.load is None else self.load + assigned
         self.last = {"assigned": assigned, "received": routing.received(), "dropped": routing.dropped(),
-                     "capacity": routing.capacity, "aux_loss": float(aux)}
+                     "capacity": routing.capacity, "aux_loss": float(aux), "z_loss": float(z)}
 
     def extra_repr(self) -> str:
         held = [index for index, expert in enumerate(self.experts) if expert is not None]

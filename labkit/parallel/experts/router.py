@@ -29,6 +29,14 @@ more tokens).  Two remedies, both here:
   bias ``b_e`` per expert is added to the scores *for the choice only* (the weights use the unbiased scores),
   and after every step each expert's bias moves by ``gamma`` towards balance: down if it took more than the
   mean load, up if fewer (:meth:`Router.update_bias`).  No gradient is involved.
+
+**Stability** (ST-MoE, Zoph et al. 2022).  The router's softmax (or sigmoid) exponentiates its logits, and in
+bfloat16 (8 significant bits) a logit of 30 carries a rounding error near 0.1, a tenth of a probability's
+worth.  Two remedies, both here: the router computes in float32 whatever the model's dtype (Switch's *selective
+precision*, Fedus et al. 2021, section 2.4: the gate's product, the scores and the top-k in float32 or wider,
+outside autocast), and the **router z-loss** (ST-MoE's eq. 5) ``mean_t (log sum_e exp(logit_te))^2`` penalises
+large logits, added to the loss with a small weight (ST-MoE: 0.001): it keeps the exponent's argument where
+rounding is small, without constraining which expert wins.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ SCORES = ("softmax", "sigmoid")
 
 def check_moe(n_experts: object, top_k: object, *, score: object = "softmax", capacity_factor: object = None,
               n_shared_experts: object = 0, expert_hidden: object = None, aux_loss_weight: object = 0.0,
-              bias_update_rate: object = 0.0) -> None:
+              bias_update_rate: object = 0.0, z_loss_weight: object = 0.0) -> None:
     """Every check of a mixture-of-experts configuration; ``ValueError`` naming the value."""
     for name, value, least in (("n_experts", n_experts, 1), ("top_k", top_k, 1),
                                ("n_shared_experts", n_shared_experts, 0)):
@@ -65,7 +73,8 @@ def check_moe(n_experts: object, top_k: object, *, score: object = "softmax", ca
                                         or not 0 < capacity_factor < math.inf):
         raise ValueError(f"capacity_factor must be a finite number > 0, or None to drop nothing, got "
                          f"{capacity_factor!r}")
-    for name, value in (("aux_loss_weight", aux_loss_weight), ("bias_update_rate", bias_update_rate)):
+    for name, value in (("aux_loss_weight", aux_loss_weight), ("bias_update_rate", bias_update_rate),
+                        ("z_loss_weight", z_loss_weight)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
@@ -82,13 +91,15 @@ def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: fl
 class Routing:
     """One forward pass's routing of ``T`` tokens: ``experts`` ``[T, k]`` (chosen expert ids), ``weights``
     ``[T, k]`` (differentiable), ``kept`` ``[T, k]`` (within capacity), ``scores`` ``[T, E]`` (the router's,
-    differentiable), ``capacity`` (``None``: unlimited)."""
+    differentiable), ``capacity`` (``None``: unlimited), ``logits`` ``[T, E]`` (the gate's, before the softmax or
+    sigmoid; float32 or wider)."""
 
     experts: torch.Tensor
     weights: torch.Tensor
     kept: torch.Tensor
     scores: torch.Tensor
     capacity: int | None
+    logits: torch.Tensor | None = None
 
     @property
     def n_experts(self) -> int:
@@ -112,6 +123,12 @@ class Routing:
         probabilities = self.scores / self.scores.sum(dim=-1, keepdim=True)  # softmax: unchanged
         return self.n_experts * (fraction * probabilities.mean(dim=0)).sum()
 
+    def z_loss(self) -> torch.Tensor:
+        """ST-MoE's router z-loss ``mean_t (logsumexp_e logit_te)^2`` (see the module docstring)."""
+        if self.logits is None:
+            raise ValueError("this Routing was built without its logits: the z-loss needs them")
+        return self.logits.logsumexp(dim=-1).pow(2).mean()
+
 
 def drop_over_capacity(experts: torch.Tensor, n_experts: int, capacity: int | None) -> torch.Tensor:
     """``kept`` ``[T, k]``: each assignment's place in its expert's queue is below ``capacity``.  The queue is
@@ -124,6 +141,17 @@ def drop_over_capacity(experts: torch.Tensor, n_experts: int, capacity: int | No
     return (place < capacity).view(experts.shape[1], experts.shape[0]).t()
 
 
+class Gate(nn.Linear):
+    """The router's linear gate (no bias), computed in float32 at least, outside autocast, whatever the dtype of its
+    inputs and weight (float64 stays float64): Switch's selective precision.  A module of its own, so that the
+    weight is used inside its layer's forward (a split pipeline backward finds it there)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(tokens.dtype, torch.float32)
+        with torch.autocast(tokens.device.type, enabled=False):
+            return F.linear(tokens.to(dtype), self.weight.to(dtype))
+
+
 class Router(nn.Module):
     """Linear gate, scores, top-k, capacity; see the module docstring.  ``forward(tokens [T, h]) -> Routing``."""
 
@@ -132,19 +160,19 @@ class Router(nn.Module):
         super().__init__()
         check_moe(n_experts, top_k, score=score, capacity_factor=capacity_factor)
         self.n_experts, self.top_k, self.score, self.capacity_factor = n_experts, top_k, score, capacity_factor
-        self.gate = nn.Linear(n_embd, n_experts, bias=False, device=device)
+        self.gate = Gate(n_embd, n_experts, bias=False, device=device)
         # DeepSeek-V3's balancing bias: shifts the choice only; a buffer (no gradient), saved in checkpoints.
         self.register_buffer("bias", torch.zeros(n_experts, device=device))
 
     def forward(self, tokens: torch.Tensor) -> Routing:
-        logits = self.gate(tokens)
+        logits = self.gate(tokens)  # float32 at least (Gate)
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         chosen = (scores.detach() + self.bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
         if self.top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         capacity = expert_capacity(tokens.shape[0], self.top_k, self.n_experts, self.capacity_factor)
-        return Routing(chosen, weights, drop_over_capacity(chosen, self.n_experts, capacity), scores, capacity)
+        return Routing(chosen, weights, drop_over_capacity(chosen, self.n_experts, capacity), scores, capacity, logits)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:

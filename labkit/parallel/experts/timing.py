@@ -13,8 +13,10 @@ spans of one more pass on a common clock (:func:`labkit.trace.gather`).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +26,18 @@ from labkit.costmodel.experts import ep_messages
 from labkit.parallel.experts.dispatch import ExpertParallelGroup
 from labkit.parallel.experts.layer import MoE
 from labkit.parallel.experts.model import apply_expert_parallel
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block with one torch thread, then restore the count: two threads on a busy 2-core machine spin
+    waiting for each other (lesson 14's three balancing runs took 570 s beside other work, against 15 s on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def moe_run(n_experts: int = 8, top_k: int = 2, *, hidden: int = 64, expert_hidden: int = 256, tokens: int = 1024,
@@ -81,41 +95,142 @@ BALANCING = {"no balancing": {}, "auxiliary loss": {"aux_loss_weight": 0.01},
 
 
 def balance_run(balancing: str = "no balancing", *, steps: int = 60, window: int = 20, n_experts: int = 8,
-                top_k: int = 1, batch_size: int = 16, lr: float = 1e-2, seed: int = 0) -> dict[str, Any]:
+                top_k: int = 1, batch_size: int = 16, lr: float = 1e-2, seed: int = 0,
+                z_loss_weight: float = 0.0) -> dict[str, Any]:
     """One process training a ``100k`` TinyGPT whose blocks are MoE layers (top-1 by default, Switch's router) on
-    the course's Markov-chain text, with one of :data:`BALANCING`'s remedies: per step, the loss and the imbalance
-    (the busiest expert's assignments over the mean, in the worst MoE layer); ``late``: the same over the last
-    ``window`` steps' assignments together (less sampling noise than one batch's).  The bias update runs after
-    every optimizer step, from that step's load."""
-    from labkit.data import MarkovChain, batches
-    from labkit.models import GPTConfig, TinyGPT
-    from labkit.parallel.experts.model import balance_experts
-
+    the course's Markov-chain text, with one of :data:`BALANCING`'s remedies.  Per step: the loss, the imbalance
+    (the busiest expert's assignments over the mean, in the worst MoE layer), ``windowed`` (the same over the
+    last ``window`` steps' assignments together) and ``z`` (the layers' mean router z-loss).  Over the last
+    ``window`` steps: ``late`` (their assignments together), ``per_step`` (the mean of each step's imbalance: what
+    an all-to-all waits for) and ``switches`` (the share of steps whose busiest expert differs from the step
+    before's, over the layers).  The bias update runs after every optimizer step, from that step's load.
+    One torch thread (:func:`one_thread`)."""
     if balancing not in BALANCING:
         raise ValueError(f"balancing must be one of {tuple(BALANCING)}, got {balancing!r}")
+    with one_thread():
+        return _balance(balancing, steps, window, n_experts, top_k, batch_size, lr, seed, z_loss_weight)
+
+
+def _balance(balancing: str, steps: int, window: int, n_experts: int, top_k: int, batch_size: int, lr: float,
+             seed: int, z_loss_weight: float) -> dict[str, Any]:
+    from labkit.data import MarkovChain, batches
+    from labkit.models import GPTConfig, TinyGPT
+    from labkit.parallel.experts.layer import moe_layers
+    from labkit.parallel.experts.model import balance_experts
+
     torch.manual_seed(seed)
-    config = GPTConfig.preset("100k", n_experts=n_experts, top_k=top_k, **BALANCING[balancing])
+    config = GPTConfig.preset("100k", n_experts=n_experts, top_k=top_k, z_loss_weight=z_loss_weight,
+                              **BALANCING[balancing])
     model = TinyGPT(config, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     tokens = MarkovChain(seed=seed).sample(50_000, seed=seed)
     generator = torch.Generator().manual_seed(seed)
-    losses, imbalance, late = [], [], None
+    losses, history, z = [], [], []
 
     def worst(loads: torch.Tensor) -> float:  # [layers, experts]
         return float((loads.max(dim=1).values / loads.mean(dim=1)).max())
 
-    for step in range(steps):
+    for _ in range(steps):
         inputs, targets = batches(tokens, batch_size, config.block_size, generator)
         _, loss = model(inputs, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        loads = torch.stack(balance_experts(model, config.bias_update_rate)).double()
-        imbalance.append(worst(loads))
+        history.append(torch.stack(balance_experts(model, config.bias_update_rate)).double())
         losses.append(loss.item())
-        if step >= steps - window:
-            late = loads if late is None else late + loads
-    return {"loss": losses, "imbalance": imbalance, "late": worst(late)}
+        z.append(statistics.mean(layer.last["z_loss"] for layer in moe_layers(model)))
+    last = torch.stack(history[-window:])  # [window, layers, experts]
+    busiest = last.argmax(dim=-1)  # [window, layers]
+    return {"loss": losses, "imbalance": [worst(loads) for loads in history],
+            "windowed": [worst(sum(history[max(0, i - window + 1):i + 1])) for i in range(steps)],
+            "late": worst(last.sum(dim=0)), "per_step": statistics.mean(worst(loads) for loads in last),
+            "switches": float((busiest[1:] != busiest[:-1]).double().mean()), "z": z}
+
+
+def capacity_run(factors: list[float | None], *, tokens: int = 4096, skew: float = 0.06, rounds: int = 9,
+                 expert_hidden: int = 128, seed: int = 0) -> dict[str, Any]:
+    """Lesson 14's capacity factors on one process, one thread: a layer of 8 experts (64 wide, ``expert_hidden``
+    inside), top-2, its router biased by ``skew`` towards experts 0 and 1; the last factor is the reference (no
+    limit).  Per factor: the share of choices dropped, the median forward and backward (``seconds``), and the
+    median over the rounds of its time over the reference's in the same round (``ratios``).  Every factor is
+    timed once a round, so that a machine growing busier slows them all alike, each timed pass after an untimed
+    one of the same layer (the CPU time of the allocator's page faults otherwise depends on which layer ran before).
+
+    The model: the experts' time grows with the rows they compute, the rest of the layer does not change, so a
+    factor dropping a share ``d`` takes ``1 - d x share`` of the reference's time, ``share`` (``experts_share``)
+    the experts alone on the reference's rows over the reference layer, forward and backward, in the same round."""
+    from labkit.parallel.experts.permute import dispatch_order, run_experts
+
+    with one_thread():
+        layers, x = [], torch.randn(tokens, 64, generator=torch.Generator().manual_seed(seed + 5))
+        for factor in factors:
+            torch.manual_seed(seed)
+            layer = MoE(64, 8, 2, expert_hidden=expert_hidden, capacity_factor=factor)
+            with torch.no_grad():
+                layer.router.bias[:2] += skew
+            layer(x).sum().backward()  # a warm-up
+            layers.append(layer)
+        with torch.no_grad():
+            ids = layers[-1].router(x).experts.reshape(-1)
+        rows = x[dispatch_order(ids, 8, 1) // 2]
+        counts = torch.bincount(ids, minlength=8).tolist()
+
+        def experts() -> None:  # as in the layer: the tokens need no gradient, the experts' weights do
+            run_experts(rows, counts, layers[-1].experts, 0).sum().backward()
+
+        passes = [lambda layer=layer: layer(x).sum().backward() for layer in layers] + [experts]
+        seconds: list[list[float]] = [[] for _ in passes]
+        for _ in range(rounds):
+            for index, one_pass in enumerate(passes):
+                one_pass()  # untimed: the allocator holds this size's buffers again
+                start = time.thread_time()
+                one_pass()
+                seconds[index].append(time.thread_time() - start)
+    reference = seconds[len(layers) - 1]
+    return {"dropped": [layer.last["dropped"] / (tokens * 2) for layer in layers],
+            "seconds": [statistics.median(runs) for runs in seconds[:-1]],
+            "ratios": [statistics.median(a / b for a, b in zip(runs, reference, strict=True)) for runs in seconds[:-1]],
+            "experts_share": statistics.median(a / b for a, b in zip(seconds[-1], reference, strict=True)),
+            "loads": counts}
+
+
+def expert_forms_run(*, tokens: int = 4096, skew: float = 0.06, block: int = 128, rounds: int = 5,
+                     seed: int = 0) -> dict[str, Any]:
+    """The same layer's experts on the same routed rows in each of ``labkit.parallel.experts.grouped``'s forms,
+    one thread: rows computed (padding included), the largest difference from the loop, the median forward and
+    backward over ``rounds`` rounds (each form once a round, after an untimed pass of its own), and the median
+    over the rounds of each form's time over the grouped GEMM's in the same round (``ratios``)."""
+    from labkit.parallel.experts.grouped import FORMS, computed_rows, expert_forward
+    from labkit.parallel.experts.permute import dispatch_order
+
+    with one_thread():
+        torch.manual_seed(seed)
+        layer = MoE(64, 8, 2, expert_hidden=256)
+        with torch.no_grad():
+            layer.router.bias[:2] += skew
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(seed + 5))
+        with torch.no_grad():
+            ids = layer.router(x).experts.reshape(-1)
+        rows = x[dispatch_order(ids, 8, 1) // 2]
+        counts = torch.bincount(ids, minlength=8).tolist()
+        dout = torch.randn(rows.shape, generator=torch.Generator().manual_seed(seed + 6))
+        with torch.no_grad():
+            reference = expert_forward(rows, counts, layer.experts, "loop")
+        error, seconds = {}, {form: [] for form in FORMS}
+        for _ in range(rounds):
+            for form in FORMS:
+                for timed in (False, True):  # an untimed pass first: the allocator holds this form's buffers
+                    inputs = rows.clone().requires_grad_()
+                    start = time.thread_time()
+                    out = expert_forward(inputs, counts, layer.experts, form, block)
+                    out.backward(dout)
+                    if timed:
+                        seconds[form].append(time.thread_time() - start)
+                error[form] = float((out.detach() - reference).abs().max())
+    return {"counts": counts, "rows": {form: computed_rows(counts, form, block) for form in FORMS},
+            "error": error, "seconds": {form: statistics.median(runs) for form, runs in seconds.items()},
+            "ratios": {form: statistics.median(a / b for a, b in zip(runs, seconds["grouped"], strict=True))
+                       for form, runs in seconds.items()}}
 
 
 def uniform_dispatch(tokens: int = 64, hidden: int = 64, n_experts: int = 8) -> list[tuple[str, str, int]]:
