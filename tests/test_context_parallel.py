@@ -235,15 +235,18 @@ def test_timed_tiles_wait_once_a_kernel_call_and_backward_two_and_a_half_times_l
 
 
 def test_the_timed_ring_steps_at_the_busiest_ranks_tiles_so_zigzag_gains_their_ratio():
-    """Every tile a 5 ms wait (12.5 ms backward) on 4 ranks: the contiguous split's busiest rank has 58 tiles forward,
-    zig-zag's 34.  The step (the slowest rank's) is at least the busiest rank's waits and not much more (the
-    messages, merges and each sleep's overshoot), and zig-zag's gain is the tiles' ratio, 1.71x, within 15 %:
-    not the 1.0x of ranks sharing cores, nor the 5.8x of the contiguous split's tiles, last rank to first."""
-    ranks = launch(timed_ring, 512, 32, 0.005, 1, nprocs=4, timeout=120, rank_output="none")
-    step = {split: max(rank[split]["seconds"] for rank in ranks) for split in SPLITS}
+    """Every tile a 20 ms wait (50 ms backward) on 4 ranks, 512 tokens in blocks of 64: the contiguous split's
+    busiest rank has 15 tiles forward, zig-zag's 9 each.  The step (the slowest rank's) is at least the busiest
+    rank's waits and not much more (the messages, merges and each sleep's overshoot), and zig-zag's gain is the
+    tiles' ratio, 1.67x, within 20 %: not the 1.0x of ranks sharing cores, nor the 5x of the contiguous split's
+    tiles, last rank to first."""
+    ranks = launch(timed_ring, 512, 64, 0.02, 2, nprocs=4, timeout=120, rank_output="none")
+    # a pass's step is its slowest rank's; of the two, the one a busy machine disturbed least
+    step = {split: min(max(rank[split]["passes"][k] for rank in ranks) for k in range(2)) for split in SPLITS}
     for split in SPLITS:
-        work = [2 * t.computed for t in ring_tiles(512, 4, split, 32)]
+        work = [2 * t.computed for t in ring_tiles(512, 4, split, 64)]
         assert [rank[split]["tiles"] for rank in ranks] == work
-        busiest = max(work) / 2 * 0.005 * 3.5
+        busiest = max(work) / 2 * 0.02 * 3.5
         assert busiest <= step[split] <= 1.4 * busiest, split
-    assert step["contiguous"] / step["zigzag"] == pytest.approx(58 / 34, rel=0.15)
+    assert [t.computed for t in ring_tiles(512, 4, "contiguous", 64)] == [3, 7, 11, 15]
+    assert step["contiguous"] / step["zigzag"] == pytest.approx(15 / 9, rel=0.2)

@@ -58,7 +58,8 @@ def attention_run(strategy: str = "ring", split: str = "zigzag", *, batch: int =
                   seq_len: int = 1024, head_dim: int = 32, block_size: int = 64, repeats: int = 3,
                   traced: bool = False, seed: int = 0, tile_seconds: float = 0.0) -> dict[str, Any]:
     """This rank's measurements of ``repeats`` forward and backward passes (after one warm-up); see the module
-    docstring.  A collective: every rank of the default group calls it with the same arguments.  ``cpu_seconds``:
+    docstring.  A collective: every rank of the default group calls it with the same arguments.  ``passes``: each
+    pass's seconds, in order (the passes start together, after a barrier); ``cpu_seconds``:
     the CPU time this rank's process spent (its work, whether or not it shared a core meanwhile);
     ``tile_seconds > 0``: every tile computed is also a timed wait (module docstring)."""
     if isinstance(tile_seconds, bool) or not isinstance(tile_seconds, (int, float)) or tile_seconds < 0:
@@ -97,7 +98,8 @@ def attention_run(strategy: str = "ring", split: str = "zigzag", *, batch: int =
         one_pass()
         seconds.append(time.perf_counter() - start)
         cpu_seconds.append(time.process_time() - cpu_start)
-    result = {"rank": cp_group.rank, "seconds": statistics.median(seconds), "tiles": cp_group.tiles.computed, "error": error,
+    result = {"rank": cp_group.rank, "seconds": statistics.median(seconds), "passes": seconds,
+              "tiles": cp_group.tiles.computed, "error": error,
               "cpu_seconds": statistics.median(cpu_seconds),
               "sent": sum(nbytes for _, _, nbytes in cp_group.log), "log": list(cp_group.log), "largest": largest.numel,
               "largest_shape": largest.shape}
@@ -110,9 +112,11 @@ def attention_run(strategy: str = "ring", split: str = "zigzag", *, batch: int =
     return result
 
 
-def timed_ring(seq_len: int = 512, block_size: int = 32, tile_seconds: float = 0.005, repeats: int = 2,
+def timed_ring(seq_len: int = 512, block_size: int = 64, tile_seconds: float = 0.02, repeats: int = 2,
                splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, Any]]:
     """Ring attention over one head of 8 values per token, each tile a timed wait (module docstring), under each
-    split in turn: ``{split: this rank's attention_run result}``.  A collective, as :func:`attention_run`."""
+    split in turn: ``{split: this rank's attention_run result}``.  A collective, as :func:`attention_run`.  Few
+    long waits (blocks as long as a zig-zag chunk) keep the ring's real work, which a busy machine stretches, small
+    beside them."""
     return {split: attention_run("ring", split, heads=1, seq_len=seq_len, head_dim=8, block_size=block_size,
                                  repeats=repeats, tile_seconds=tile_seconds) for split in splits}
