@@ -150,6 +150,16 @@ def test_a_ring_hidden_to_zero_is_drawn_on_the_log_axis_and_a_refused_ulysses_is
     assert "ulysses: not possible, cp x tp > K/V heads" in [text.get_text() for text in legend.get_texts()]
 
 
+def test_the_planner_refuses_ulysses_past_the_key_value_heads():
+    from labkit.costmodel.planner import cp_problem
+
+    shape = dataclasses.replace(LLAMA_8B, seq_len=131072)
+    assert cp_problem(shape, 64, 8, "ulysses", 1) is None
+    assert "8 K/V heads a TP rank holds" in cp_problem(shape, 64, 16, "ulysses", 1)
+    assert "2 K/V heads" in cp_problem(shape, 64, 4, "ulysses", 4)  # 32 query heads / 4 divide; 8 K/V / 4 do not
+    assert cp_problem(shape, 64, 16, "ring", 1) is None
+
+
 def test_cp_layer_bytes_counts_what_leaves_a_rank_as_the_runtime_logs_it():
     """One byte convention: without grouped-query attention the layer's bytes are ``cp_messages``' (which the
     runtime's log matches byte for byte); with it, K and V narrow by the K/V heads for the ring and all-gather."""
