@@ -3,7 +3,8 @@
 The kernel against torch's ``scaled_dot_product_attention`` (outputs, gradients of q, k and v) and torch's own CPU
 flash kernel (the log-sum-exp), in fp64 to 1e-10 and fp32 to 1e-5, causal and not, at lengths the block size
 does not divide; its memory (saved bytes and the largest tensor it forms) against the cost model; the LSE merge;
-the splits' positions, padding, refusals and causal work.
+the splits' positions, padding, refusals and causal work, tile by tile against its closed forms; RoPE at global
+positions; Ulysses' bound by the heads.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from labkit.parallel.context import (
     pad_batch,
     padded_length,
     ring_tiles,
+    rotary,
     shard_sequence,
     textbook_attention,
+    tiles_per_rank,
+    ulysses_problem,
 )
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -124,7 +128,7 @@ def test_bad_inputs_are_refused_naming_the_value():
         blockwise_attention(q, q.double(), q)
     with pytest.raises(ValueError, match="as many queries as keys"):
         blockwise_attention(q, q[:, :, :4], q[:, :, :4])
-    with pytest.raises(ValueError, match="Ulysses needs the heads to divide over the cp ranks: 6 heads, cp=4"):
+    with pytest.raises(ValueError, match="whole heads on each of cp=4 ranks, and cp does not divide the 6 heads"):
         check_ulysses_heads(6, 4)
 
 
@@ -200,3 +204,69 @@ def test_attention_flops_and_messages_of_the_cost_model():
     assert model.cp_messages("all_gather", 1, 1, 2, 8, 4) == []
     with pytest.raises(ValueError, match="strategy must be"):
         model.cp_messages("tree", 2, 1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2, 3])
+def test_ring_tiles_are_the_closed_forms_of_the_tile_model_when_the_block_divides_the_chunks(cp, blocks_per_chunk):
+    """Not only the direction: every rank's count.  Contiguous, ``c`` blocks a rank: rank ``r`` computes ``r c^2``
+    tiles of earlier ranks' keys and ``c (c + 1) / 2`` of its own; zig-zag, ``n`` blocks in all: every rank
+    ``n (n + 1) / (2 cp)``, the one-process triangle shared out; both sum to ``n (n + 1) / 2``."""
+    block = 4
+    seq_len = 2 * cp * blocks_per_chunk * block
+    n = seq_len // block
+    c = n // cp
+    contiguous = [t.computed for t in ring_tiles(seq_len, cp, "contiguous", block)]
+    zigzag = [t.computed for t in ring_tiles(seq_len, cp, "zigzag", block)]
+    assert contiguous == [r * c * c + c * (c + 1) // 2 for r in range(cp)]
+    assert zigzag == [n * (n + 1) // (2 * cp)] * cp
+    assert sum(contiguous) == sum(zigzag) == n * (n + 1) // 2 == causal_tiles(seq_len, block).computed
+    # the busiest rank's share of the work, what the ring's step follows: (2 cp - 1) c^2 / 2 + c / 2 tiles
+    assert max(contiguous) / max(zigzag) == pytest.approx((cp * c * c - c * (c - 1) / 2) / (n * (n + 1) / (2 * cp)))
+
+
+def test_a_block_that_straddles_zigzag_chunks_computes_more_tiles_than_one_process():
+    # 48 tokens over 2 ranks: zig-zag chunks of 12 in blocks of 8; a block holds early and late tokens
+    assert [t.computed for t in ring_tiles(48, 2, "zigzag", 8)] == [12, 12]
+    assert causal_tiles(48, 8).computed == 21
+    assert [t.computed for t in ring_tiles(48, 2, "contiguous", 8)] == [6, 15]  # chunks of 24: whole blocks
+
+
+def test_striped_attention_balances_the_pairs_but_masks_every_diagonal_tile():
+    s, cp = 2048, 4
+    striped = [torch.arange(rank, s, cp) for rank in range(cp)]  # Brandon et al. 2023: token t on rank t mod cp
+    pairs = [int((positions + 1).sum()) for positions in striped]
+    assert sum(pairs) == s * (s + 1) // 2 and max(pairs) - min(pairs) == (cp - 1) * s // cp
+    tiles = tiles_per_rank(striped, 128)
+    assert [(t.computed, t.masked, t.skipped) for t in tiles] == [(40, 16, 24)] * cp
+    zigzag = ring_tiles(s, cp, "zigzag", 128)
+    assert [(t.computed, t.masked) for t in zigzag] == [(34, 4)] * cp
+    assert tiles_per_rank([chunk_positions(s, cp, r, "zigzag") for r in range(cp)], 128) == zigzag
+
+
+def test_rotary_scores_depend_on_the_difference_of_global_positions_only():
+    q, k = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(2))
+    positions = torch.arange(16)
+    scores = rotary(q, positions) @ rotary(k, positions).transpose(-2, -1)
+    shifted = rotary(q, positions + 1000) @ rotary(k, positions + 1000).transpose(-2, -1)
+    assert torch.allclose(scores, shifted, atol=1e-9)
+    assert torch.equal(rotary(q, torch.zeros(16, dtype=torch.long)), q)  # position 0: no turn
+    # a CP rank that numbers its own tokens from 0 changes its scores with another rank's keys
+    mine, theirs = chunk_positions(16, 2, 1, "zigzag"), chunk_positions(16, 2, 0, "zigzag")
+    right = rotary(q[:, :, mine], mine) @ rotary(k[:, :, theirs], theirs).transpose(-2, -1)
+    assert torch.allclose(right, scores[:, :, mine][:, :, :, theirs], atol=1e-12)
+    local = rotary(q[:, :, mine], torch.arange(8)) @ rotary(k[:, :, theirs], torch.arange(8)).transpose(-2, -1)
+    assert (local - right).abs().max() > 0.1
+    with pytest.raises(ValueError, match="even head size"):
+        rotary(torch.randn(1, 1, 4, 3), torch.arange(4))
+    with pytest.raises(ValueError, match=r"positions must be \[4\]"):
+        rotary(q[:, :, :4], torch.arange(5))
+
+
+def test_ulysses_needs_whole_query_and_key_value_heads_on_every_rank():
+    assert ulysses_problem(32, 8, 8) is None and ulysses_problem(32, 4, 8, tp=2) is None
+    assert "does not divide the 8 K/V heads" in ulysses_problem(32, 16, 8)
+    assert "1 K/V heads a TP rank holds (tp=8)" in ulysses_problem(128, 2, 8, tp=8)  # Llama 3 405B: no Ulysses
+    assert "6 heads" in ulysses_problem(6, 4)
+    with pytest.raises(ValueError, match="does not divide the 8 K/V heads: use ring or all-gather"):
+        check_ulysses_heads(32, 16, kv_heads=8)

@@ -6,7 +6,8 @@ torch's ``scaled_dot_product_attention`` over the whole sequence (to 1e-10), its
 ``labkit.costmodel.context.cp_messages`` byte for byte, and the tiles its kernel computed with the layout's
 causal work (``ring_tiles``): equal on every rank under zig-zag, growing with the rank under the contiguous split.
 Then TinyGPT with cp in the mesh (``parallelize``), composed with dp, tp, pp, ZeRO and FSDP: the loss and the final
-weights of one process, and the bytes it predicts; and ``labkit.train --cp``.
+weights of one process, and the bytes it predicts; and ``labkit.train --cp``.  Last, the ring with every tile a
+timed wait: its step follows the busiest rank's tiles, so zig-zag's gain over the contiguous split is theirs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from labkit.parallel.context import (
     ring_tiles,
     shard_sequence,
 )
+from labkit.parallel.context.timing import TimedTiles, attention_run, timed_ring
 from labkit.parallel.parallelize import check_3d, parallelize
 from labkit.train.config import parse_arguments
 
@@ -201,7 +203,7 @@ def test_the_trainer_with_cp_reads_what_data_parallelism_alone_reads(tmp_path):
     two = launch(_train, [alone], nprocs=2, timeout=300, rank_output="none")
     for rank, result in enumerate(four):  # ranks 0, 1 hold dp rank 0's sequences, ranks 2, 3 dp rank 1's
         assert result[0]["losses"] == pytest.approx(two[rank // 2][0]["losses"], abs=1e-5, rel=0), rank
-    with pytest.raises(ValueError, match="Ulysses needs the heads to divide over the cp ranks: 4 heads, cp=3"):
+    with pytest.raises(ValueError, match="whole heads on each of cp=3 ranks, and cp does not divide the 4 heads"):
         parse_arguments(["--cp", "3", "--cp-strategy", "ulysses", "--nprocs", "3"])
     with pytest.raises(ValueError, match="cp_strategy must be one of"):
         parse_arguments(["--cp", "2", "--cp-strategy", "tree", "--nprocs", "2"])
@@ -211,3 +213,40 @@ def test_the_trainer_with_cp_reads_what_data_parallelism_alone_reads(tmp_path):
         check_3d(GPTConfig.preset("100k", dropout=0.1), 1, 1, 1, cp=2)
     with pytest.raises(ValueError, match="leaves rank 3 only padding"):
         check_3d(GPT, 1, 1, 1, cp=4, seq_len=3)
+
+
+def test_timed_tiles_wait_once_a_kernel_call_and_backward_two_and_a_half_times_longer():
+    import time
+
+    from labkit.parallel.context.blockwise import BlockwiseAttention
+
+    q = torch.randn(1, 1, 16, 4, requires_grad=True)
+    tiles = TimedTiles(0.05)
+    began = time.perf_counter()
+    out = BlockwiseAttention.apply(q, q, q, True, 8, None, None, None, tiles)[0]  # 3 tiles: 150 ms
+    forward = time.perf_counter() - began
+    began = time.perf_counter()
+    out.sum().backward()  # 3 more tiles at 125 ms
+    backward = time.perf_counter() - began
+    assert tiles.computed == 6 and tiles.owed == 0.0
+    assert 0.15 <= forward < 0.15 + 0.15 and 0.375 <= backward < 0.375 + 0.15  # a busy machine oversleeps
+    with pytest.raises(ValueError, match="tile_seconds must be a number of seconds >= 0"):
+        attention_run(tile_seconds=-1.0)
+
+
+def test_the_timed_ring_steps_at_the_busiest_ranks_tiles_so_zigzag_gains_their_ratio():
+    """Every tile a 20 ms wait (50 ms backward) on 4 ranks, 512 tokens in blocks of 64: the contiguous split's
+    busiest rank has 15 tiles forward, zig-zag's 9 each.  The step (the slowest rank's) is at least the busiest
+    rank's waits and not much more (the messages, merges and each sleep's overshoot), and zig-zag's gain is the
+    tiles' ratio, 1.67x, within 20 %: not the 1.0x of ranks sharing cores, nor the 5x of the contiguous split's
+    tiles, last rank to first."""
+    ranks = launch(timed_ring, 512, 64, 0.02, 2, nprocs=4, timeout=120, rank_output="none")
+    # a pass's step is its slowest rank's; of the two, the one a busy machine disturbed least
+    step = {split: min(max(rank[split]["passes"][k] for rank in ranks) for k in range(2)) for split in SPLITS}
+    for split in SPLITS:
+        work = [2 * t.computed for t in ring_tiles(512, 4, split, 64)]
+        assert [rank[split]["tiles"] for rank in ranks] == work
+        busiest = max(work) / 2 * 0.02 * 3.5
+        assert busiest <= step[split] <= 1.4 * busiest, split
+    assert [t.computed for t in ring_tiles(512, 4, "contiguous", 64)] == [3, 7, 11, 15]
+    assert step["contiguous"] / step["zigzag"] == pytest.approx(15 / 9, rel=0.2)

@@ -15,7 +15,7 @@ import pytest
 from labkit.costmodel import context
 from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPUS, model_flops_per_step
-from labkit.costmodel.kernels import flash_attention_flops
+from labkit.costmodel.kernels import attention_time, flash_attention_flops
 from labkit.costmodel.memory import activation_bytes
 from labkit.costmodel.planner import Cluster, plan
 from labkit.costmodel.published import LLAMA3_405B
@@ -86,8 +86,11 @@ def test_across_nodes_the_rings_sends_and_ulysses_all_to_alls_leave_through_one_
         chunk = nbytes / 16
         return max(7 * (3.4e-6 + chunk / 450e9), 8 * (14e-6 + chunk / 50e9)) + 8.4e-6
 
-    qkv, out = 8192 * (4096 + 2 * 1024) * 2, 8192 * 4096 * 2
-    ulysses = context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=16, cp_strategy="ulysses"), hardware)
+    with pytest.raises(ValueError, match="does not divide the 8 K/V heads"):  # Ulysses needs whole K/V heads
+        context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=16, cp_strategy="ulysses"), hardware)
+    sixteen = dataclasses.replace(shape, num_kv_heads=16)  # a K/V head for each of the 16 ranks
+    qkv, out = 8192 * (4096 + 2 * 2048) * 2, 8192 * 4096 * 2
+    ulysses = context.cp_layer_seconds(sixteen, Layout(1, 1, 1, cp=16, cp_strategy="ulysses"), hardware)
     assert ulysses == (pytest.approx(all_to_all(qkv) + all_to_all(out)), pytest.approx(all_to_all(out) + all_to_all(qkv)))
     # inside one node (cp = 8) every message goes over NVLink, as when the link is given
     inside = context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=8, cp_strategy="ulysses"), hardware)
@@ -97,26 +100,113 @@ def test_across_nodes_the_rings_sends_and_ulysses_all_to_alls_leave_through_one_
 
 def test_lesson_13s_figure_draws_the_numbers_of_its_table():
     """The strategy figure and the table below it in lesson 13 price the same H100s (the planner's Cluster at the
-    fitted efficiency) on the same link: at 8,192 and 131,072 tokens each strategy's point is the table's."""
+    fitted efficiencies) on the same link, from one function (``cp_strategy_costs``): at 8,192 and 131,072 tokens
+    each strategy's point is the table's, and the rank's attention is the kernel model's, not a FLOP count."""
     from labkit.viz import context_plots
 
     hardware = Cluster(GPUS["H100 80GB"], 8).hardware()  # what the table builds
     assert context_plots.lesson_cluster().hardware() == hardware
     for name, link in (("NVLink", hardware.intra_node), ("InfiniBand", hardware.inter_node)):
+        assert context_plots.lesson_link(name, hardware) == link
         lines = {line.get_label(): dict(zip(line.get_xdata(), line.get_ydata(), strict=True))
-                 for line in context_plots.plot_strategy_costs(8, 1, name, 8).axes[0].get_lines()}
-        for seq_len in (8192, 131072):
+                 for line in context_plots.plot_strategy_costs(8, 1, name, 8).axes[0].get_lines()
+                 if not line.get_label().startswith("_")}
+        table = context.cp_strategy_costs(LLAMA_8B, [8192, 131072], 8, 1, hardware, link)
+        for index, seq_len in enumerate((8192, 131072)):
             shape = dataclasses.replace(LLAMA_8B, seq_len=seq_len)
             for strategy in ("ring", "all_gather", "ulysses"):
-                table = sum(context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=8, cp_strategy=strategy), hardware,
-                                                     link))
-                assert lines[f"{strategy}: exposed"][seq_len] == pytest.approx(1e3 * table, rel=1e-12), (name, strategy)
-            attention = 3 * 2 * (seq_len // 8) * seq_len * shape.hidden_size / hardware.flops
+                exposed = sum(context.cp_layer_seconds(shape, Layout(1, 1, 1, cp=8, cp_strategy=strategy), hardware,
+                                                       link))
+                assert table["exposed"][strategy][index] == exposed
+                assert lines[f"{strategy}: exposed"][seq_len] == pytest.approx(1e3 * exposed, rel=1e-12), (name, strategy)
+                assert table["left"][strategy][index] == sum(context.cp_layer_bytes(
+                    shape, Layout(1, 1, 1, cp=8, cp_strategy=strategy)))
+            attention = sum(attention_time(hardware.kernels, shape, 1, seq_len, 1, 8, True, False, 2))
+            assert table["attention"][index] == attention
             assert lines["the rank's causal attention (fwd + bwd)"][seq_len] == pytest.approx(1e3 * attention)
     ring = lines["ring: exposed"][131072]  # InfiniBand: the table's 5.4 ms, not hidden to 0
     assert 5.0 < ring < 6.0
     with pytest.raises(ValueError, match="link must be one of"):
         context_plots.plot_strategy_costs(8, 1, "50 GB/s")
+
+
+def test_a_ring_hidden_to_zero_is_drawn_on_the_log_axis_and_a_refused_ulysses_is_named():
+    """The ring's exposed time at 0 (no slowdown on this hardware) stays on the log axis, on the dotted floor, and
+    every length keeps its point; Ulysses past the K/V heads is not drawn but named in the legend."""
+    from labkit.viz import context_plots
+
+    lengths = [2 ** k for k in range(12, 21)]
+    exposed = context.cp_strategy_costs(LLAMA_8B, lengths, 8, 1, HARDWARE, HARDWARE.intra_node)["exposed"]["ring"]
+    assert exposed[0] > 0 and exposed[-1] == 0.0
+    figure = context_plots.plot_cp_costs(LLAMA_8B, lengths, 8, 1, HARDWARE, HARDWARE.intra_node)
+    axis = figure.axes[0]
+    ring = next(line for line in axis.get_lines() if line.get_label() == "ring: exposed")
+    bottom = axis.get_ylim()[0]
+    assert list(ring.get_xdata()) == lengths and min(ring.get_ydata()) > bottom > 0
+    assert any("0: all hidden" in text.get_text() for text in axis.texts)
+    refused = context.cp_strategy_costs(LLAMA_8B, lengths, 16, 1, HARDWARE, HARDWARE.inter_node)
+    assert "ulysses" not in refused["exposed"] and "8 K/V heads" in refused["refused"]["ulysses"]
+    legend = context_plots.plot_cp_costs(LLAMA_8B, lengths, 16, 1, HARDWARE, HARDWARE.inter_node).legends[0]
+    assert "ulysses: not possible, cp x tp > K/V heads" in [text.get_text() for text in legend.get_texts()]
+
+
+def test_the_planner_refuses_ulysses_past_the_key_value_heads():
+    from labkit.costmodel.planner import cp_problem
+
+    shape = dataclasses.replace(LLAMA_8B, seq_len=131072)
+    assert cp_problem(shape, 64, 8, "ulysses", 1) is None
+    assert "8 K/V heads a TP rank holds" in cp_problem(shape, 64, 16, "ulysses", 1)
+    assert "2 K/V heads" in cp_problem(shape, 64, 4, "ulysses", 4)  # 32 query heads / 4 divide; 8 K/V / 4 do not
+    assert cp_problem(shape, 64, 16, "ring", 1) is None
+
+
+def test_cp_layer_bytes_counts_what_leaves_a_rank_as_the_runtime_logs_it():
+    """One byte convention: without grouped-query attention the layer's bytes are ``cp_messages``' (which the
+    runtime's log matches byte for byte); with it, K and V narrow by the K/V heads for the ring and all-gather."""
+    shape = TransformerShape(2, 256, 8, 64, 100)  # 8 heads of 32, 64 tokens, one K/V head per query head
+    for strategy in ("ring", "all_gather", "ulysses"):
+        link = context.cp_link_bytes(strategy, 4, 1, 8, 16, 32, 2)
+        assert context.cp_layer_bytes(shape, Layout(1, 1, 1, cp=4, cp_strategy=strategy)) == \
+            (pytest.approx(link["forward"]), pytest.approx(link["backward"]))
+    gqa = dataclasses.replace(LLAMA_8B, seq_len=131072)
+    ring = context.cp_layer_bytes(gqa, Layout(1, 1, 1, cp=8))
+    assert ring == (7 * 2 * 16384 * 1024 * 2, 2 * 7 * 2 * 16384 * 1024 * 2)  # 7 sends of K and V, 1,024 wide
+    assert context.cp_layer_bytes(gqa, Layout(1, 1, 1, cp=8, cp_strategy="all_gather")) == ring
+    assert context.cp_layer_bytes(gqa, Layout(1, 1, 1)) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="cp_strategy must be"):
+        context.cp_layer_bytes(gqa, Layout(1, 1, 1, cp=2, cp_strategy="tree"))
+
+
+def test_a_fused_kernel_moves_a_sliver_of_the_bytes_and_turns_attention_from_memory_to_compute_bound():
+    """FlashAttention's IO count (Dao et al. 2022, Algorithm 0 against the fused kernel): per head and sequence
+    forward, ``4 s d + 4 s^2`` values through HBM per operation, ``4 s d`` and a 4-byte LSE a row fused.  On an
+    H100 at the fitted rates, the unfused kernel's bytes outlast its products at every length, the fused kernel's
+    do not outlast its FLOPs."""
+    assert context.attention_hbm_bytes(8192, 128, "unfused") == (4 * 8192 * 128 + 4 * 8192 ** 2) * 2
+    assert context.attention_hbm_bytes(8192, 128) == 4 * 8192 * 128 * 2 + 4 * 8192
+    kernels = Cluster(GPUS["H100 80GB"], 8).hardware().kernels
+    for seq_len in (2048, 8192, 32768):
+        unfused = kernels.memory_s(context.attention_hbm_bytes(seq_len, 128, "unfused"))
+        products = 4 * seq_len ** 2 * 128 / (kernels.gemm_efficiency * kernels.peak_flops)
+        fused = kernels.memory_s(context.attention_hbm_bytes(seq_len, 128))
+        flops = flash_attention_flops(seq_len, 128, 128) / (kernels.attention_efficiency * kernels.peak_flops)
+        assert 5 < unfused / products < 7 and fused < flops
+    with pytest.raises(ValueError, match="kernel must be 'unfused' or 'flash'"):
+        context.attention_hbm_bytes(8, 8, "flash3")
+
+
+def test_the_playbook_figures_legend_sits_below_its_bars():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from labkit.viz import context_plots
+
+    figure = context_plots.plot_playbook_memory(LLAMA_8B, list(LENGTHS), [(1, 1), (2, 1), (2, 4)])
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    assert all(axis.get_legend() is None for axis in figure.axes) and len(figure.legends) == 1
+    legend_top = figure.legends[0].get_window_extent(renderer).y1
+    assert legend_top < min(axis.get_window_extent(renderer).y0 for axis in figure.axes)
 
 
 def test_lesson_13s_byte_figure_shows_what_left_a_rank_beside_the_collectives_size():
@@ -141,13 +231,47 @@ def test_lesson_13s_byte_figure_shows_what_left_a_rank_beside_the_collectives_si
 
 
 def test_the_strategy_explorer_redraws_for_every_control():
-    from labkit.viz import context_plots
+    from labkit.viz import context_widgets
     from tests.conftest import check_every_control_redraws
 
     def move(control):
         control.value = next(option for option in control.options if option != control.value)
 
-    check_every_control_redraws(context_plots.strategy_explorer(), 4, move)
+    explorer = context_widgets.strategy_explorer()
+    check_every_control_redraws(explorer, 4, move)
+    picture = explorer.children[-1]  # not stretched to the notebook's width: its own, in CSS pixels
+    assert picture.layout.align_self == "flex-start" and picture.layout.width == f"{round(6.8 * 96)}px"
+
+
+def test_the_tile_explorer_draws_the_kernels_tiles_and_says_its_padding():
+    """The per-rank counts in the picture are ``ring_tiles``' and sum to the total it shows, also when the block
+    does not divide the sequence; cp = 3 over 104 tokens says it pads (to 105 contiguous, 108 zig-zag)."""
+    from labkit.parallel.context import ring_tiles
+    from labkit.viz import context_plots, context_widgets
+    from tests.conftest import check_every_control_redraws
+
+    for seq_len, block, cp in ((64, 8, 2), (48, 8, 2), (104, 8, 3), (61, 4, 4), (20, 64, 3)):
+        for layout in ("contiguous", "zigzag"):
+            grid, counts, order = context_plots.split_tile_grid(seq_len, block, cp, layout)
+            assert counts == [t.computed for t in ring_tiles(seq_len, cp, layout, block)]
+            assert sorted(order.tolist()) == list(range(len(order))) and grid.shape == (len(order), len(order))
+            title = context_plots.plot_tiles(seq_len, block, cp, layout).axes[0].get_title()
+            assert f"{counts}, {sum(counts)} in all" in title and (("padded to" in title) == (len(order) > seq_len))
+    assert context_plots.split_tile_grid(37, 5, 1)[1] == [8 * 9 // 2]
+    note = context_widgets.padding_note(104, 3)
+    assert "contiguous pads to 105 (1 padding token at" in note and "zigzag pads to 108 (4 padding tokens" in note
+    assert context_widgets.padding_note(96, 3) == "" and context_widgets.padding_note(7, 1) == ""
+    legend = [patch.get_label() for patch in context_plots.tile_legend(3, True)]
+    assert legend[-3:] == ["rank 0", "rank 1", "rank 2"] and "padding tokens" in legend
+
+    def move(control):
+        control.value = control.max if control.value != control.max else control.min
+
+    explorer = context_widgets.attention_explorer()
+    check_every_control_redraws(explorer, 3, move)
+    length, _, ranks = explorer.children[0].children
+    length.value, ranks.value = 104, 3
+    assert "pads to 108" in explorer.children[1].value
 
 
 def test_cp_divides_each_ranks_compute_and_activations_and_shards_zero_over_dp_times_cp():

@@ -11,6 +11,17 @@ scores (FlashAttention-2's backward: ``2.5x`` the forward).  Memory: a kernel th
 ``b a s^2`` probabilities for backward; blockwise attention keeps ``q, k, v, out`` and one log-sum-exp per row
 (:func:`attention_saved_bytes`), and a ``block x block`` tile per head while it runs.
 
+**Attention's memory traffic** (:func:`attention_hbm_bytes`), the point of FlashAttention (Dao et al. 2022): a
+kernel per operation writes the ``s x s`` scores to the GPU's memory (HBM), reads them back for the softmax,
+writes the probabilities and reads them for ``P V``: ``4 s^2`` values beside ``4 s d`` for ``q, k, v, out``
+(the paper's Algorithm 0).  A fused kernel keeps each tile in the SM's on-chip memory and writes only ``out``
+and, for backward, one or two numbers a row: FlashAttention-1 its running maximum ``m`` and sum ``l`` (its
+outer loop ran over the keys, writing each query block's ``out``, ``m`` and ``l`` back at every block of keys),
+FlashAttention-2 (Dao 2023) their log-sum-exp alone, its outer loop over the queries writing each output once.
+FlashAttention-2 reads its blocks of ``K, V`` once per block of queries; a head's ``K, V`` (4 MiB at 8k tokens
+of 128 in 16 bits) stay in the H100's 50 MB L2 cache meanwhile, so the count takes HBM to see them once (an
+assumption, which the FLOPs do not need).
+
 **Context parallelism's messages** per attention call and rank (:func:`cp_messages`; ``N = b (s / cp) h``),
 counted as labkit counts every message: the bytes that *leave* the rank (:mod:`labkit.costmodel.collectives`);
 the collective's whole size, what enters a reduce-scatter or an all-to-all or leaves an all-gather, is
@@ -58,6 +69,8 @@ Ulysses' all-to-alls send each rank's share for other nodes through its own adap
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 from labkit.costmodel.collectives import (
@@ -70,9 +83,10 @@ from labkit.costmodel.hardware import link_of, node_members
 from labkit.costmodel.kernels import attention_time
 from labkit.costmodel.memory import korthikanti_layer_activation_bytes
 from labkit.costmodel.shapes import num_parameters
-from labkit.parallel.context.sequence import chunk_positions, padded_length
+from labkit.parallel.context.sequence import chunk_positions, padded_length, ulysses_problem
 
 KINDS = ("send", "all_gather", "reduce_scatter", "all_to_all")
+CP_STRATEGIES = ("ring", "all_gather", "ulysses")
 
 
 def attention_flops(batch: int, seq_len: int, hidden: int, *, causal: bool = True, backward: bool = False) -> float:
@@ -121,12 +135,24 @@ def tile_bytes(batch: int, heads: int, block_size: int, element_size: int = 4) -
     return batch * heads * block_size * block_size * element_size
 
 
+def attention_hbm_bytes(seq_len: int, head_dim: int, kernel: str = "flash", element_size: int = 2) -> int:
+    """Bytes one head of one sequence moves through the GPU's memory in attention's forward pass (module
+    docstring): ``"unfused"``, a kernel per operation, ``(4 s d + 4 s^2) e`` (the scores and probabilities
+    written and read); ``"flash"``, FlashAttention-2's, ``4 s d e`` for ``q, k, v, out`` and the fp32
+    log-sum-exp of each row, kept for backward."""
+    if kernel not in ("unfused", "flash"):
+        raise ValueError(f"kernel must be 'unfused' or 'flash', got {kernel!r}")
+    if kernel == "unfused":
+        return (4 * seq_len * head_dim + 4 * seq_len * seq_len) * element_size
+    return 4 * seq_len * head_dim * element_size + 4 * seq_len
+
+
 def cp_messages(strategy: str, cp: int, batch: int, heads: int, local_len: int, head_dim: int,
                 element_size: int = 4) -> list[tuple[str, str, int]]:
     """``(phase, kind, bytes)`` of every message one attention call's forward and backward passes make on one
     rank, bytes that leave the rank: what ``ContextParallelGroup.log`` records (``local_len = s / cp`` tokens
     per rank).  A collective's whole size: :func:`collective_size`."""
-    if strategy not in ("ring", "all_gather", "ulysses"):
+    if strategy not in CP_STRATEGIES:
         raise ValueError(f"strategy must be 'ring', 'all_gather' or 'ulysses', got {strategy!r}")
     if cp == 1:
         return []
@@ -185,13 +211,48 @@ def ring_exposed_seconds(compute_s: float, transfer_s: float, cp: int) -> float:
     return (cp - 1) * max(0.0, transfer_s - compute_s)
 
 
+def _widths(shape: Any, layout: Any, value_bytes: int) -> tuple[float, int, int, int]:
+    """``(tokens a rank, one rank's K and V, its q, k, v, its out)`` in bytes, for one layer and micro-batch:
+    a rank's ``s / cp`` tokens, ``h / t`` query values and, under grouped-query attention, ``h_kv / t`` K/V."""
+    cp, t, b = layout.cp, layout.tp, layout.micro_batch
+    if layout.cp_strategy == "ulysses":
+        problem = ulysses_problem(shape.num_heads, cp, shape.num_kv_heads, t)
+        if problem:
+            raise ValueError(problem)
+    local_len = shape.seq_len / cp
+    kv_width = shape.hidden_size * shape.num_kv_heads / shape.num_heads / t
+    q_width = shape.hidden_size // t
+    kv = int(2 * b * local_len * kv_width) * value_bytes
+    return local_len, kv, int(b * local_len * (q_width + 2 * kv_width)) * value_bytes, \
+        int(b * local_len * q_width) * value_bytes
+
+
+def cp_layer_bytes(shape: Any, layout: Any, value_bytes: int = 2) -> tuple[float, float]:
+    """``(forward, backward)`` bytes that leave one rank in one layer's attention for one micro-batch: the same
+    messages as :func:`cp_messages` (which the runtime's log matches), here with grouped-query attention's
+    narrower K/V and ``tp``.  Ulysses under GQA needs whole K/V heads on every rank (``ValueError`` otherwise)."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    _, kv, qkv, out = _widths(shape, layout, value_bytes)
+    if layout.cp_strategy == "ring":
+        return (cp - 1) * kv, 2 * (cp - 1) * kv
+    if layout.cp_strategy == "all_gather":
+        return (cp - 1) * kv, 2 * (cp - 1) * kv
+    if layout.cp_strategy == "ulysses":
+        away = (cp - 1) / cp
+        return away * (qkv + out), away * (out + qkv)
+    raise ValueError(f"cp_strategy must be 'ring', 'all_gather' or 'ulysses', got {layout.cp_strategy!r}")
+
+
 def cp_layer_seconds(shape: Any, layout: Any, hardware: Any, link: LinkModel | None = None,
                      value_bytes: int = 2) -> tuple[float, float]:
     """``(forward, backward)`` seconds context parallelism adds to one layer of one micro-batch on the critical
     path (module docstring): ``shape`` a ``TransformerShape``, ``layout`` a ``Layout`` (``cp``, ``cp_strategy``,
     ``tp``, ``micro_batch``), ``hardware`` its ``flops``, ``overlap_slowdown``, ``call_latency_s`` and links.
     ``link``: every message of the cp group on that one link (a what-if); ``None``: the links the group's place
-    on the nodes gives each kind of message (module docstring, "Which link")."""
+    on the nodes gives each kind of message (module docstring, "Which link").  Ulysses under GQA needs whole K/V
+    heads on every rank (``ValueError`` otherwise)."""
     cp, t, b = layout.cp, layout.tp, layout.micro_batch
     if cp == 1:
         return 0.0, 0.0
@@ -201,9 +262,7 @@ def cp_layer_seconds(shape: Any, layout: Any, hardware: Any, link: LinkModel | N
         hop = near if local == cp else far  # a ring of sends waits for its hop between nodes
     else:
         local, near, far, ring, hop = cp, link, link, link, link
-    local_len = shape.seq_len / cp
-    kv_width = shape.hidden_size * shape.num_kv_heads / shape.num_heads / t
-    block = int(2 * b * local_len * kv_width) * value_bytes  # one rank's K and V
+    local_len, block, qkv, out = _widths(shape, layout, value_bytes)
     latency, slowdown = hardware.call_latency_s, hardware.overlap_slowdown
     if layout.cp_strategy == "ring":
         # one step's attention products: 1 / cp of the rank's causal work (zig-zag: half of its queries' pairs);
@@ -224,15 +283,45 @@ def cp_layer_seconds(shape: Any, layout: Any, hardware: Any, link: LinkModel | N
         scatter = ring_reduce_scatter_cost(block * cp, cp, ring, element_size=value_bytes).time_s + latency
         return gather, gather + scatter
     if layout.cp_strategy == "ulysses":
-        q_width = shape.hidden_size // t
 
         def all_to_all(nbytes: int) -> float:
             return all_to_all_cost(nbytes, cp, near, value_bytes, local, far).time_s + latency
 
-        qkv = int(b * local_len * (q_width + 2 * kv_width)) * value_bytes
-        out = int(b * local_len * q_width) * value_bytes
         return all_to_all(qkv) + all_to_all(out), all_to_all(out) + all_to_all(qkv)
     raise ValueError(f"cp_strategy must be 'ring', 'all_gather' or 'ulysses', got {layout.cp_strategy!r}")
+
+
+def rank_attention_seconds(shape: Any, cp: int, tp: int, hardware: Any, value_bytes: int = 2) -> float:
+    """One rank's share of one layer's causal flash attention, forward and backward, for one sequence: the
+    kernel model's (:func:`labkit.costmodel.kernels.attention_time`), what the ring hides its sends behind; on
+    hardware without kernels, its FLOPs at ``hardware.flops`` (backward twice the forward, as in
+    :func:`cp_layer_seconds`)."""
+    if getattr(hardware, "kernels", None) is None:
+        return 3 * 2 * shape.seq_len / cp * shape.seq_len * shape.hidden_size / tp / hardware.flops
+    return sum(attention_time(hardware.kernels, shape, 1, shape.seq_len, tp, cp, True, False, value_bytes))
+
+
+def cp_strategy_costs(shape: Any, seq_lens: list[int], cp: int, tp: int, hardware: Any,
+                      link: LinkModel | None = None, value_bytes: int = 2) -> dict[str, Any]:
+    """What lesson 13's figure and table show, one source for both: at each of ``seq_lens``, one layer's
+    ``"attention"`` on one rank (:func:`rank_attention_seconds`) and per strategy (``"exposed"``, seconds of
+    forward and backward, :func:`cp_layer_seconds`; ``"left"``, bytes that leave a rank, :func:`cp_layer_bytes`).
+    A strategy the heads rule out (Ulysses under GQA, :func:`~labkit.parallel.context.sequence.ulysses_problem`)
+    is left out and named in ``"refused"``."""
+    costs: dict[str, Any] = {"seq_lens": list(seq_lens), "exposed": {}, "left": {}, "refused": {},
+                             "attention": [rank_attention_seconds(replace(shape, seq_len=s), cp, tp, hardware,
+                                                                  value_bytes) for s in seq_lens]}
+    for strategy in CP_STRATEGIES:
+        problem = ulysses_problem(shape.num_heads, cp, shape.num_kv_heads, tp) if strategy == "ulysses" else None
+        if problem:
+            costs["refused"][strategy] = problem
+            continue
+        layout = SimpleNamespace(cp=cp, tp=tp, micro_batch=1, cp_strategy=strategy)  # what the two read of a Layout
+        layouts = [(replace(shape, seq_len=s), layout) for s in seq_lens]
+        costs["exposed"][strategy] = [sum(cp_layer_seconds(one, layout, hardware, link, value_bytes))
+                                      for one, layout in layouts]
+        costs["left"][strategy] = [sum(cp_layer_bytes(one, layout, value_bytes)) for one, layout in layouts]
+    return costs
 
 
 def playbook_memory(shape: Any, seq_len: int, tp: int = 1, cp: int = 1, micro_batch: int = 1) -> dict[str, float]:

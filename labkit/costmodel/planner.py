@@ -53,7 +53,7 @@ from labkit.costmodel.stages import (
     weighted_stage_layers,
 )
 from labkit.costmodel.step import Hardware, Layout, StepTime, lower_bound, predict_step
-from labkit.parallel.context.sequence import padded_length
+from labkit.parallel.context.sequence import padded_length, ulysses_problem
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")  # tried by default
 ALL_SCHEDULES = SCHEDULES + ("interleaved-zb", "zb-v", "dualpipev")  # those of 2024-25 on request (schedules=)
@@ -179,7 +179,8 @@ def _divisors(n: int) -> list[int]:
 def cp_problem(shape: TransformerShape, ranks: int, cp: int, cp_strategy: str = "ring", tp: int = 1) -> str | None:
     """Why ``cp`` ranks cannot split ``shape``'s sequences on ``ranks`` GPUs at tensor-parallel degree ``tp``, or
     None: cp must divide the ``ranks / tp`` ranks left, cut each sequence into ``2 cp`` equal zig-zag chunks (one
-    from each end a rank, for causal balance), and under Ulysses divide each TP rank's heads.  The one rule
+    from each end a rank, for causal balance), and under Ulysses divide each TP rank's heads, its key/value heads
+    included (:func:`~labkit.parallel.context.sequence.ulysses_problem`).  The one rule
     :func:`candidates` filters by and ``labkit plan --cp`` explains a refusal with."""
     problems = []
     if (ranks // tp) % cp:
@@ -187,8 +188,9 @@ def cp_problem(shape: TransformerShape, ranks: int, cp: int, cp_strategy: str = 
     if cp > 1 and padded_length(shape.seq_len, cp) != shape.seq_len:
         problems.append(f"does not cut the sequence's {shape.seq_len} tokens into {2 * cp} equal zig-zag chunks "
                         "(two a cp rank)")
-    if cp > 1 and cp_strategy == "ulysses" and (shape.num_heads // tp) % cp:
-        problems.append(f"does not divide the {shape.num_heads // tp} heads Ulysses spreads over the cp ranks")
+    if cp > 1 and cp_strategy == "ulysses" and ulysses_problem(shape.num_heads, cp, shape.num_kv_heads, tp):
+        problems.append(f"does not divide the {shape.num_heads // tp} query and {shape.num_kv_heads // tp} K/V heads "
+                        "a TP rank holds, which Ulysses spreads whole over the cp ranks")
     return ", and ".join(problems) or None
 
 

@@ -1,6 +1,7 @@
-"""Lesson 13's plots and explorers: attention's memory against the sequence length, the tiles of blockwise
-attention, a ring's steps on the trace, the causal work per rank, the three ways of context parallelism, and the
-Playbook's 8B memory figure beside labkit's model.
+"""Lesson 13's plots: attention's memory against the sequence length, the tiles of blockwise attention as the
+ring's ranks compute them, a ring's steps on the trace, the causal work per rank and the step it sets, the three
+ways of context parallelism, and the Playbook's 8B memory figure beside labkit's model (the explorers that draw
+them: :mod:`labkit.viz.context_widgets`).
 
 The conventions are ``labkit.viz.plots``': ``matplotlib.figure.Figure`` rather than ``pyplot``, nothing run.
 """
@@ -10,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-import ipywidgets as widgets
 import numpy as np
 import torch
+from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from labkit import trace
@@ -22,15 +24,17 @@ from labkit.costmodel.collectives import LinkModel
 from labkit.costmodel.compute import GPUS
 from labkit.costmodel.planner import Cluster
 from labkit.costmodel.shapes import TransformerShape
-from labkit.costmodel.step import Hardware, Layout
-from labkit.parallel.context.sequence import Tiles, block_slices, chunk_positions, tile_kind
-from labkit.viz.plots import RANK_COLORS, figure_to_png
-from labkit.viz.widgets import ROW, connect
+from labkit.costmodel.step import Hardware
+from labkit.parallel.context.sequence import block_slices, chunk_positions, padded_length, tile_kind
+from labkit.viz.plots import RANK_COLORS
 
 GiB = 2 ** 30
 H100 = GPUS["H100 80GB"]  # the device lesson 13's figures price (labkit.costmodel.hardware)
 STRATEGY_COLORS = {"ring": "#4C72B0", "all_gather": "#DD8452", "ulysses": "#55A868"}
-TILE_COLORS = {"full": "#4C72B0", "masked": "#8FB3E0", "skip": "#F2F2F2"}
+TILE_COLORS = {"full": "#4D4D4D", "masked": "#ABABAB", "skip": "#F2F2F2"}  # greys: the ranks have the colours
+TILE_CODES = {"skip": 0, "masked": 1, "full": 2}  # split_tile_grid's values
+PADDING_COLOR = "#B00000"
+LAYOUT_COLORS = {"contiguous": "#C44E52", "zigzag": "#4C72B0"}
 
 
 def plot_attention_memory(seq_lens: Sequence[int], saved: Mapping[str, Sequence[float]],
@@ -58,42 +62,99 @@ def plot_attention_memory(seq_lens: Sequence[int], saved: Mapping[str, Sequence[
     return figure
 
 
-def plot_tiles(seq_len: int, block_size: int, cp: int = 1, layout: str = "zigzag", ax=None) -> Figure:
-    """The causal score matrix as ``block x block`` tiles: computed (dark), computed under the mask (light),
-    skipped (blank); with ``cp > 1`` each query row carries the colour of the rank that holds it, and the title
-    counts each rank's tiles (the ring's causal work)."""
-    figure = Figure(figsize=(4.6, 4.4)) if ax is None else ax.figure
-    axis = figure.subplots() if ax is None else ax
-    padded = -(-seq_len // (2 * cp)) * 2 * cp if cp > 1 else seq_len
-    owner = np.zeros(padded, dtype=int)
-    for rank in range(cp):
-        owner[chunk_positions(padded, cp, rank, layout).numpy()] = rank
-    positions = np.arange(padded)
+def split_tile_grid(seq_len: int, block_size: int, cp: int = 1, layout: str = "zigzag"
+                    ) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """The tiles the ring's kernel computes, as :func:`~labkit.parallel.context.ring_tiles` counts them: ``(grid,
+    counts, order)``.  ``grid[i, j]`` is 0 (skipped), 1 (computed under the mask) or 2 (computed) for the ``i``-th
+    query and ``j``-th key *as the ranks hold them* (rank 0's tokens first, in its order; ``order`` gives each
+    one's position in the sequence, padding included); each rank cuts its own tokens into blocks, so a tile is
+    one block of a rank's queries against one block of a rank's keys.  ``counts``: each rank's computed tiles."""
+    if cp == 1:
+        positions = [torch.arange(seq_len)]
+    else:
+        padded = padded_length(seq_len, cp, layout)
+        positions = [chunk_positions(padded, cp, rank, layout) for rank in range(cp)]
+    local = len(positions[0])
+    grid = np.zeros((local * cp, local * cp), dtype=int)
     counts = [0] * cp
-    for rows in block_slices(padded, block_size):
-        for cols in block_slices(padded, block_size):
-            kind = tile_kind(torch.from_numpy(positions[rows]), torch.from_numpy(positions[cols]), True)
-            axis.add_patch(Rectangle((cols.start, rows.start), cols.stop - cols.start, rows.stop - rows.start,
-                                     facecolor=TILE_COLORS[kind], edgecolor="white", linewidth=0.6))
-            if kind != "skip":
-                for rank in set(owner[rows].tolist()):
-                    counts[rank] += 1
+    for rank, mine in enumerate(positions):
+        for source, theirs in enumerate(positions):
+            for rows in block_slices(local, block_size):
+                for cols in block_slices(local, block_size):
+                    kind = tile_kind(mine[rows], theirs[cols], True)
+                    grid[rank * local + rows.start:rank * local + rows.stop,
+                         source * local + cols.start:source * local + cols.stop] = TILE_CODES[kind]
+                    counts[rank] += kind != "skip"
+    return grid, counts, torch.cat(positions).numpy()
+
+
+def _runs(indices: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of consecutive integers in the sorted ``indices``."""
+    runs: list[tuple[int, int]] = []
+    for index in indices.tolist():
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
+
+
+def tile_legend(cp: int, padding: bool) -> list[Patch]:
+    """The legend of :func:`plot_tiles`: the three kinds of tile, the padding's hatch, the ranks' colours."""
+    handles = [Patch(color=TILE_COLORS[kind], label=label) for kind, label in
+               (("full", "computed"), ("masked", "computed, masked inside"), ("skip", "skipped"))]
+    if padding:
+        handles.append(Patch(facecolor="none", edgecolor=PADDING_COLOR, hatch="////", label="padding tokens"))
+    return handles + [Patch(color=RANK_COLORS[rank % len(RANK_COLORS)], label=f"rank {rank}")
+                      for rank in range(cp if cp > 1 else 0)]
+
+
+def plot_tiles(seq_len: int, block_size: int, cp: int = 1, layout: str = "zigzag", ax=None) -> Figure:
+    """The causal score matrix as the ring's kernel tiles it (:func:`split_tile_grid`): rows are queries and
+    columns keys as the ranks hold them, rank 0's first (ticks: the sequence position where each chunk starts),
+    the strips on the left and top the rank holding each; each rank cuts its own tokens into ``block_size``
+    blocks (thin lines).  The title counts each rank's tiles, which sum to the total; padding (a sequence the
+    split does not cut evenly is padded at its end) is hatched.  Without ``ax``, a figure with its legend."""
+    figure = Figure(figsize=(4.8, 5.2)) if ax is None else ax.figure
+    axis = figure.subplots() if ax is None else ax
+    grid, counts, order = split_tile_grid(seq_len, block_size, cp, layout)
+    size, local = len(order), len(order) // cp
+    axis.imshow(grid, cmap=ListedColormap([TILE_COLORS[k] for k in ("skip", "masked", "full")]), vmin=0, vmax=2,
+                extent=(0, size, size, 0), interpolation="nearest")
+    for rank in range(cp):
+        for start in range(0, local, block_size):
+            for line in (axis.axhline, axis.axvline):
+                line(rank * local + start, color="white", linewidth=0.5 if start else 1.6)
+        if cp > 1:
+            color = RANK_COLORS[rank % len(RANK_COLORS)]
+            axis.add_patch(Rectangle((-0.07 * size, rank * local), 0.05 * size, local, facecolor=color,
+                                     clip_on=False))
+            axis.add_patch(Rectangle((rank * local, -0.07 * size), local, 0.05 * size, facecolor=color,
+                                     clip_on=False))
+    padding = np.flatnonzero(order >= seq_len)
+    for start, stop in _runs(padding):
+        for span in (axis.axhspan, axis.axvspan):
+            span(start, stop, facecolor="none", edgecolor=PADDING_COLOR, hatch="////", linewidth=0)
     if cp > 1:
-        for row in range(padded):
-            axis.add_patch(Rectangle((-padded * 0.06, row), padded * 0.04, 1,
-                                     facecolor=RANK_COLORS[owner[row] % len(RANK_COLORS)], edgecolor="none"))
-    axis.set_xlim(-padded * 0.08 if cp > 1 else 0, padded)
-    axis.set_ylim(padded, 0)
+        chunk = size // (cp * (2 if layout == "zigzag" else 1))
+        ticks = list(range(0, size, chunk))
+        axis.set_xticks(ticks, [str(order[t]) for t in ticks])
+        axis.set_yticks(ticks, [str(order[t]) for t in ticks])
+    axis.set_xlim(-0.08 * size if cp > 1 else 0, size)
+    axis.set_ylim(size, -0.08 * size if cp > 1 else 0)
     axis.set_aspect("equal")
-    axis.set_xlabel("key position")
-    axis.set_ylabel("query position")
-    title = f"s = {seq_len}, blocks of {block_size}"
+    held = " as the ranks hold them" if cp > 1 else ""
+    axis.set_xlabel(f"keys{held} (position)", fontsize=9)
+    axis.set_ylabel(f"queries{held} (position)", fontsize=9)
+    title = f"s = {seq_len}" + (f", padded to {size}" if size > seq_len else "") + f", blocks of {block_size}"
     if cp > 1:
-        title += f"\n{layout}, cp = {cp}: tiles per rank {counts}"
+        title += f"\n{layout}, cp = {cp}: tiles per rank {counts}, {sum(counts)} in all"
+    else:
+        title += f": {sum(counts)} tiles computed"
     axis.set_title(title, fontsize=9)
-    handles = [Patch(color=TILE_COLORS[k], label=label) for k, label in
-               (("full", "computed"), ("masked", "computed, masked"), ("skip", "skipped"))]
-    axis.legend(handles=handles, fontsize=7, loc="upper right")
+    if ax is None:
+        figure.legend(handles=tile_legend(cp, len(padding) > 0), loc="lower center", ncol=4, fontsize=7)
+        figure.tight_layout(rect=(0, 0.12, 1, 1))
     return figure
 
 
@@ -200,75 +261,65 @@ def plot_playbook_memory(shape: TransformerShape, seq_lens: Sequence[int],
         axis.set_xlabel("sequence length (tokens)")
         axis.set_ylim(0, 150)
     axes[0].set_ylabel("GiB per GPU (clipped at 150)")
-    axes[0].legend(fontsize=7, loc="upper left")
-    figure.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)  # below: the bars fill the panels
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
     return figure
 
 
 def plot_split_tiles(seq_len: int, block_size: int, cp: int) -> Figure:
     """The causal tiles of ``seq_len`` tokens in blocks of ``block_size`` over ``cp`` ranks, contiguous beside
-    zig-zag (:func:`plot_tiles` each): what :func:`attention_explorer` draws."""
-    figure = Figure(figsize=(9.2, 4.4))
+    zig-zag (:func:`plot_tiles` each), one legend below: what the tile explorer draws."""
+    figure = Figure(figsize=(9.2, 5.4))
     left, right = figure.subplots(1, 2)
     plot_tiles(seq_len, block_size, cp, "contiguous", ax=left)
     plot_tiles(seq_len, block_size, cp, "zigzag", ax=right)
-    figure.tight_layout()
+    padding = cp > 1 and padded_length(seq_len, cp, "zigzag") > seq_len
+    handles = tile_legend(cp, padding)
+    figure.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=8)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     return figure
-
-
-def attention_explorer(seq_len: int = 48, block_size: int = 8, cp: int = 2) -> widgets.VBox:
-    """Choose the sequence length, the block and the cp ranks: the tiles blockwise attention computes, masks and
-    skips (contiguous and zig-zag side by side), and the memory and FLOPs of the two kernels."""
-    length = widgets.IntSlider(value=seq_len, min=8, max=128, step=4, description="s (tokens)")
-    block = widgets.IntSlider(value=block_size, min=1, max=64, description="block")
-    ranks = widgets.IntSlider(value=cp, min=1, max=4, description="cp ranks")
-    picture, summary = widgets.Image(format="png"), widgets.HTML()
-
-    def redraw() -> None:
-        s, b, c = length.value, block.value, ranks.value
-        picture.value = figure_to_png(plot_split_tiles(s, b, c))
-        tiles = Tiles()
-        n = -(-s // b)
-        tiles.computed, tiles.skipped = n * (n + 1) // 2, n * (n - 1) // 2
-        heads, dim = 32, 128  # one sequence of a Llama-like layer, bf16
-        scores = context.attention_saved_bytes(1, heads, s, dim, 2, kernel="scores")
-        blockwise = context.attention_saved_bytes(1, heads, s, dim, 2)
-        summary.value = (f"<small>{tiles.computed} of {n * n} tiles computed, {tiles.skipped} skipped by the causal "
-                         f"mask ({context.attention_flops(1, s, heads * dim):.3g} FLOPs forward instead of "
-                         f"{context.attention_flops(1, s, heads * dim, causal=False):.3g}). For 32 heads of 128 in "
-                         f"bf16, one layer keeps {scores / 2**20:.2f} MiB with the score matrix, "
-                         f"{blockwise / 2**20:.2f} MiB blockwise, and forms a tile of "
-                         f"{context.tile_bytes(1, heads, b, 2) / 2**10:.1f} KiB at a time.</small>")
-
-    controls = (length, block, ranks)
-    connect(controls, redraw)
-    return widgets.VBox([widgets.HBox(list(controls), layout=ROW), summary, picture])
 
 
 def plot_cp_costs(shape: TransformerShape, seq_lens: Sequence[int], cp: int, tp: int, hardware: Hardware,
                   link: LinkModel | None = None) -> Figure:
     """Per strategy, the communication one layer's attention leaves exposed (forward and backward) against the
-    sequence length (:func:`labkit.costmodel.context.cp_layer_seconds`, on ``link`` or, ``None``, on the links the
-    cp group's place on the nodes gives it), beside the attention compute itself."""
-    figure = Figure(figsize=(6.8, 3.6))
+    sequence length, beside the rank's causal attention itself, all from
+    :func:`labkit.costmodel.context.cp_strategy_costs` (on ``link`` or, ``None``, on the links the cp group's
+    place on the nodes gives it).  An exposed time of 0 (all hidden) has no place on a log axis: it is drawn on
+    the dotted line at the bottom, "0".  A strategy the heads rule out is named in the legend, not drawn."""
+    costs = context.cp_strategy_costs(shape, list(seq_lens), cp, tp, hardware, link)
+    figure = Figure(figsize=(6.8, 4.2))
     axis = figure.subplots()
+    values = [1e3 * v for line in costs["exposed"].values() for v in line] + [1e3 * v for v in costs["attention"]]
+    floor = min(v for v in values if v > 0) / 4  # where a 0 is drawn
+    handles = []
     for strategy, color in STRATEGY_COLORS.items():
-        exposed = [sum(context.cp_layer_seconds(dataclasses.replace(shape, seq_len=s),
-                                                Layout(1, tp, 1, cp=cp, cp_strategy=strategy), hardware, link))
-                   for s in seq_lens]
-        axis.plot(seq_lens, [1e3 * e for e in exposed], "o-", color=color, label=f"{strategy}: exposed")
-    compute = [3 * 2 * s / cp * s * shape.hidden_size / tp / hardware.flops for s in seq_lens]  # causal: half
-    axis.plot(seq_lens, [1e3 * c for c in compute], "k--", label="the rank's causal attention (fwd + bwd)")
+        if strategy in costs["refused"]:
+            handles.append(Line2D([], [], color=color, linestyle="none", marker="x",
+                                  label=f"{strategy}: not possible, cp x tp > K/V heads"))
+            continue
+        exposed = [1e3 * e for e in costs["exposed"][strategy]]
+        handles += axis.plot(seq_lens, [max(e, floor) for e in exposed], "o-", color=color, label=f"{strategy}: exposed")
+        zeros = [s for s, e in zip(seq_lens, exposed, strict=True) if e <= 0]
+        if zeros:
+            axis.plot(zeros, [floor] * len(zeros), "o", color="white", markeredgecolor=color, zorder=3)
+    handles += axis.plot(seq_lens, [1e3 * c for c in costs["attention"]], "k--",
+                         label="the rank's causal attention (fwd + bwd)")
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
+    if any(e <= 0 for line in costs["exposed"].values() for e in line):
+        axis.axhline(floor, color="gray", linestyle=":", linewidth=1)
+        axis.text(seq_lens[0], floor, " 0: all hidden (hollow)", va="bottom", fontsize=7, color="gray")
+        axis.set_ylim(bottom=floor / 2)
     axis.set_xlabel("sequence length s (tokens)")
     axis.set_ylabel("ms per layer and sequence")
     where = (f"link {1 / link.beta_s_per_byte / 1e9:.0f} GB/s" if link is not None else
              f"{cp * tp} GPUs on nodes of {hardware.gpus_per_node}")
-    axis.set_title(f"cp = {cp}, tp = {tp}, {where}", fontsize=10)
+    axis.set_title(f"cp = {cp}, tp = {tp}, {shape.num_kv_heads} K/V heads, {where}", fontsize=10)
     axis.grid(True, which="both", alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
+    figure.legend(handles=handles, loc="lower center", ncol=2, fontsize=8)  # below: the lines cross the plot
+    figure.tight_layout(rect=(0, 0.13, 1, 1))
     return figure
 
 
@@ -281,34 +332,44 @@ def lesson_cluster() -> Cluster:
     return Cluster(H100, H100.gpus_per_node)
 
 
+def lesson_link(link: str, hardware: Hardware) -> LinkModel | None:
+    """The cp group's link named in lesson 13: ``"InfiniBand"`` (one GPU's adapter), ``"NVLink"``, or ``"as
+    placed"`` (``None``: ``cp x tp`` ranks on the cluster's nodes, each kind of message on its own link)."""
+    if link not in LINKS:
+        raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+    return {"InfiniBand": hardware.inter_node, "NVLink": hardware.intra_node, "as placed": None}[link]
+
+
 def plot_strategy_costs(cp: int = 8, tp: int = 1, link: str = "InfiniBand", kv_heads: int = 8,
                         cluster: Cluster | None = None) -> Figure:
     """:func:`plot_cp_costs` for a Llama 3 8B layer (``kv_heads`` key/value heads) on ``cluster``'s hardware
     (:meth:`labkit.costmodel.planner.Cluster.hardware`; default :func:`lesson_cluster`, what the lesson's table
-    prices), every message of the cp group over ``link``: ``"InfiniBand"`` (one GPU's adapter), ``"NVLink"``, or
-    ``"as placed"`` (``cp x tp`` ranks on the cluster's nodes, each kind of message on its own link):
-    what :func:`strategy_explorer` draws."""
-    if link not in LINKS:
-        raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+    prices), every message of the cp group over :func:`lesson_link`: what the strategy explorer draws."""
     shape = dataclasses.replace(TransformerShape.preset("llama-3-8b"), num_kv_heads=kv_heads)
     hardware = (cluster or lesson_cluster()).hardware()
-    chosen = {"InfiniBand": hardware.inter_node, "NVLink": hardware.intra_node, "as placed": None}[link]
+    chosen = lesson_link(link, hardware)
     lengths = [2 ** k for k in range(12, 21) if 2 ** k % (2 * cp) == 0]
     return plot_cp_costs(shape, lengths, cp, tp, hardware, chosen)
 
 
-def strategy_explorer(cp: int = 8, tp: int = 1, link: str = "InfiniBand", kv_heads: int = 8) -> widgets.VBox:
-    """Choose cp, tp, the cp group's link and the key/value heads of a Llama 3 8B layer: each strategy's exposed
-    communication per layer against the sequence length (the lesson's H100s, :func:`lesson_cluster`)."""
-    ranks = widgets.Dropdown(options=[2, 4, 8, 16, 32], value=cp, description="cp")
-    tensor = widgets.Dropdown(options=[1, 2, 4, 8], value=tp, description="tp")
-    links = widgets.Dropdown(options=list(LINKS), value=link, description="link")
-    heads = widgets.Dropdown(options=[8, 32], value=kv_heads, description="K/V heads")
-    picture = widgets.Image(format="png")
-
-    def redraw() -> None:
-        picture.value = figure_to_png(plot_strategy_costs(ranks.value, tensor.value, links.value, heads.value))
-
-    controls = (ranks, tensor, links, heads)
-    connect(controls, redraw)
-    return widgets.VBox([widgets.HBox(list(controls), layout=ROW), picture])
+def plot_timed_ring(work: Mapping[str, Sequence[float]], step: Mapping[str, float]) -> Figure:
+    """Per layout, each rank's own work (``work``: seconds, its tiles' timed waits) as bars and the measured
+    step (``step``: the slowest rank's median forward and backward) as a line of the layout's colour."""
+    figure = Figure(figsize=(7.6, 3.4))
+    axis = figure.subplots()
+    width = 0.8 / len(work)
+    for index, (name, seconds) in enumerate(work.items()):
+        color = LAYOUT_COLORS.get(name, "#777777")
+        x = np.arange(len(seconds)) + (index - (len(work) - 1) / 2) * width
+        axis.bar(x, [1e3 * s for s in seconds], width, color=color, alpha=0.55, label=f"{name}: the rank's tiles")
+        axis.axhline(1e3 * step[name], color=color, linewidth=2, label=f"{name}: measured step")
+    ranks = len(next(iter(work.values())))
+    axis.set_xticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    axis.set_ylabel("ms, forward + backward")
+    tallest = max(max(step.values()), max(max(seconds) for seconds in work.values()))
+    axis.set_ylim(0, 1.45e3 * tallest)  # room for the legend above the bars
+    axis.set_title("ring attention, every tile a timed wait: the step follows the busiest rank", fontsize=10)
+    axis.legend(fontsize=8, ncol=2, loc="upper left")
+    axis.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    return figure

@@ -51,7 +51,7 @@ from labkit.parallel.context.blockwise import (
     merge_partials,
     softmax_delta,
 )
-from labkit.parallel.context.sequence import check_cp, chunk_positions
+from labkit.parallel.context.sequence import check_cp, chunk_positions, ulysses_problem
 
 STRATEGIES = ("ring", "all_gather", "ulysses")
 
@@ -301,11 +301,12 @@ class _AllToAll(torch.autograd.Function):
         return back(grad.contiguous(), ctx.cp_group, f"d{ctx.what}"), None, None, None
 
 
-def check_ulysses_heads(heads: int, cp: int) -> None:
-    """Ulysses gives each rank ``heads / cp`` whole heads: ``ValueError`` when ``cp`` does not divide them."""
-    if heads % cp:
-        raise ValueError(f"Ulysses needs the heads to divide over the cp ranks: {heads} heads, cp={cp} "
-                         f"(use ring or all-gather context parallelism, or a cp that divides {heads})")
+def check_ulysses_heads(heads: int, cp: int, kv_heads: int | None = None, tp: int = 1) -> None:
+    """Ulysses gives each rank ``heads / cp`` whole heads, and ``kv_heads / cp`` whole K/V heads (after ``tp``):
+    ``ValueError`` when ``cp`` does not divide them (:func:`~labkit.parallel.context.sequence.ulysses_problem`)."""
+    problem = ulysses_problem(heads, cp, kv_heads, tp)
+    if problem:
+        raise ValueError(f"{problem}: use ring or all-gather context parallelism, or a smaller cp")
 
 
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ContextParallelGroup,

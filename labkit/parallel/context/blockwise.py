@@ -118,6 +118,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         seen = l > 0
         out[:, :, rows] = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)
         lse[:, :, rows] = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
+    count.settle()
     return out, lse
 
 
@@ -155,6 +156,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
             dscores = p * (torch.matmul(dout_rows, v_cols.transpose(-2, -1)) - delta[:, :, rows, None])
             dq[:, :, rows] += torch.matmul(dscores, k_cols) * scale
             dk[:, :, cols] += torch.matmul(dscores.transpose(-2, -1), q[:, :, rows]) * scale
+    count.settle()
     return dq, dk, dv
 
 

@@ -18,6 +18,11 @@ A non-causal sequence cannot be padded that way (every query would see the paddi
 
 Every rank also needs its tokens' places in the whole sequence (:func:`chunk_positions`): for the position
 embedding (or RoPE's angles), and for the causal mask between its queries and another rank's keys.
+
+Ulysses cuts the heads instead of the sequence while attention runs (:func:`ulysses_problem`): each of the
+``cp`` ranks of a tensor-parallel rank's group needs whole query heads *and* whole key/value heads, so under
+grouped-query attention its degree is bounded by the K/V heads left after TP: 8 K/V heads at ``tp = 8`` (Llama 3
+405B's layout) leave Ulysses no split at all, unless each K/V head is copied to several ranks.
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ class Tiles:
         self.masked += kind == "masked"
         self.skipped += kind == "skip"
 
+    def settle(self) -> None:
+        """Called by the kernel when one call's tiles are computed: nothing here; a count whose tiles are timed
+        waits (:class:`labkit.parallel.context.timing.TimedTiles`) waits for them there, once a call."""
+
 
 def block_slices(length: int, block_size: int) -> list[slice]:
     return [slice(start, min(start + block_size, length)) for start in range(0, length, block_size)]
@@ -67,6 +76,18 @@ def check_cp(cp: Any, split: Any = "zigzag") -> None:
     check_degree("cp", cp)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def ulysses_problem(heads: int, cp: int, kv_heads: int | None = None, tp: int = 1) -> str | None:
+    """Why Ulysses cannot spread ``heads`` query heads and ``kv_heads`` key/value heads (default: as many), split
+    ``tp`` ways by tensor parallelism first, over ``cp`` ranks, or None: each rank needs whole heads of both."""
+    where = f" a TP rank holds (tp={tp})" if tp > 1 else ""
+    kinds = ((heads, ""),) if kv_heads in (None, heads) else ((heads, "query "), (kv_heads, "K/V "))
+    problems = [f"{count // tp} {what}heads{where}" for count, what in kinds if (count // tp) % cp]
+    if not problems:
+        return None
+    return f"Ulysses needs whole heads on each of cp={cp} ranks, and cp does not divide the " + " nor the ".join(
+        problems)
 
 
 def chunks_per_rank(split: str) -> int:
@@ -148,7 +169,13 @@ def ring_tiles(seq_len: int, cp: int, split: str = "zigzag", block_size: int = 8
     """Per rank, the score tiles its queries compute against every rank's keys in one causal forward pass (pure
     arithmetic with the kernel's own tile rule): the work each ring step's compute takes, summed."""
     seq_len = padded_length(seq_len, cp, split, causal=causal)
-    positions = [chunk_positions(seq_len, cp, rank, split) for rank in range(cp)]
+    return tiles_per_rank([chunk_positions(seq_len, cp, rank, split) for rank in range(cp)], block_size, causal)
+
+
+def tiles_per_rank(positions: list[torch.Tensor], block_size: int, causal: bool = True) -> list[Tiles]:
+    """:func:`ring_tiles` for any assignment of tokens to ranks: ``positions[r]``, the positions rank ``r`` holds
+    in the order it holds them (e.g. striped attention's ``torch.arange(r, s, cp)``).  Each rank cuts its own
+    tokens into blocks of ``block_size``; a tile is one block of its queries against one block of a rank's keys."""
     work = []
     for mine in positions:
         count = Tiles()
@@ -158,3 +185,21 @@ def ring_tiles(seq_len: int, cp: int, split: str = "zigzag", block_size: int = 8
                     count.add(tile_kind(mine[rows], theirs[cols], causal))
         work.append(count)
     return work
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding (RoPE; Su et al. 2021, *RoFormer*), as Llama applies it to queries and keys:
+    each pair of values ``(x_i, x_{i + d/2})`` of the token at ``positions[j]`` turned by the angle
+    ``positions[j] * base ** (-2i / d)``.  ``x`` ``[..., seq, d]`` with ``d`` even; ``positions`` ``[seq]``, each
+    token's place in the *whole* sequence (a CP rank's are :func:`chunk_positions`).  A query's score with a key
+    then depends on their positions' difference only."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"rotary needs an even head size, got {x.shape[-1]}")
+    if positions.shape != (x.shape[-2],):
+        raise ValueError(f"positions must be [{x.shape[-2]}] (one per token), got {tuple(positions.shape)}")
+    half = x.shape[-1] // 2
+    frequencies = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    angles = (positions.to(x.device, torch.float64)[:, None] * frequencies).to(x.dtype)
+    cos, sin = angles.cos(), angles.sin()
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
