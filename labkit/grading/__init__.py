@@ -62,6 +62,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                  "Planning a training run: one 3D step's time by hand (compute, TP, bubble, DP)"),
     "input_pipeline": ("12_input_pipeline.py", "labkit.grading.checkers.input_pipeline",
                        "The input pipeline: the seed of one sample's augmentation, the same in every process"),
+    "divergence_alarm": ("12_divergence_alarm.py", "labkit.grading.checkers.divergence_alarm",
+                         "The divergence alarm: each rank's deviation, the noise band, the rank that left"),
     "long_context": ("13_long_context.py", "labkit.grading.checkers.long_context",
                      "Long sequences: the LSE merge of partial attention, the zig-zag split, blockwise attention"),
     "mixture_of_experts": ("14_mixture_of_experts.py", "labkit.grading.checkers.mixture_of_experts",
