@@ -1,4 +1,4 @@
-"""Exercise 12b — the divergence alarm's loss test.
+"""Exercise 12 (the first of two) — the divergence alarm's loss test.
 
 Every check, each data-parallel rank reports the loss of its own batch.  The losses differ by batch noise, and by
 nothing else when the run is healthy; a rank fed differently (a data bug, a shifted label) drifts away from the
@@ -37,7 +37,8 @@ from collections.abc import Sequence
 
 def deviations(losses: Sequence[float]) -> list[float]:
     """Each rank's loss minus the mean of the other ranks' losses (one check, at least two ranks)."""
-    # TODO: for each rank, the mean of the *others* is (sum of all - its own) / (ranks - 1).
+    # TODO: one number per rank. The others' mean needs no loop over the others: what is left of the sum of all the
+    #       losses without this rank's, and how many losses is that?
     raise NotImplementedError("deviations")
 
 
@@ -52,6 +53,6 @@ def loss_band(rows: Sequence[Sequence[float]], window: int, z: float) -> tuple[f
 def departed(rows: Sequence[Sequence[float]], window: int, limit: float) -> tuple[int, ...]:
     """The columns the alarm names: the rank whose mean over the last ``window`` rows is furthest from 0, if beyond
     ``limit`` (with two ranks: both); else ``()``."""
-    # TODO: the last `window` rows (a deque cannot be sliced: make a list first), a mean per column, the furthest
-    #       by absolute value, then the two-rank case.
+    # TODO: a mean per rank over the last `window` rows only; which rank is furthest from 0, either way; is it
+    #       beyond the limit; and what can two ranks' mirror-image deviations not tell you?
     raise NotImplementedError("departed")

@@ -1,4 +1,6 @@
-"""Exercise 12b — the divergence alarm's loss test (solution).  See ``exercises/12_divergence_alarm.py``."""
+"""Exercise 12 (the first of two) — the divergence alarm's loss test (solution).
+
+See ``exercises/12_divergence_alarm.py``."""
 
 import itertools
 import math

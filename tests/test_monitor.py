@@ -208,3 +208,28 @@ def test_faults_corrupt_only_their_batch_and_a_cpu_has_no_peak():
     with pytest.raises(ValueError, match="tiny-mlp"):
         monitor.corrupt("nan", monitor.NAN_STEP, torch.zeros(2, 3, dtype=torch.long), targets)
     assert monitor.gpu_peak_flops(torch.device("cpu")) is None
+
+
+def test_on_a_gpu_the_trainers_step_logs_peak_and_reserved_memory_and_mfu_against_the_gpus_peak(monkeypatch, tmp_path):
+    """No GPU here: the GPU's answers are stood in for (an H100 by name, its allocator's two numbers), and the step's
+    scalars read back from TensorBoard's files."""
+    import torch
+
+    from labkit.costmodel.hardware import GPUS
+    from labkit.monitor import training
+
+    monkeypatch.setattr(training.dist, "device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 * 2**30)
+    watch = monitor.TrainingMonitor(tmp_path, alarm_every=0, group=None, replicated=True)
+    assert watch.peak == GPUS["H100 80GB"].peak_bf16_flops
+    watch.record(1, torch.nn.Linear(2, 2), loss=1.0, lr=1e-3, grad_norm=0.5, step_s=0.5, busy_s=0.4,
+                 data_wait_s=0.01, comm_bytes=0, tokens=1024, flops=1e14)
+    watch.close()
+    scalars = monitor.read_scalars(tmp_path)[0]
+    assert set(scalars) == set(monitor.TAGS) | set(monitor.GPU_TAGS)
+    assert scalars["memory_reserved_bytes"] == [(1, 4 * 2**30)] and scalars["peak_memory_bytes"] == [(1, 3 * 2**30)]
+    assert scalars["mfu"][0][1] == pytest.approx(1e14 / 0.5 / 989e12, rel=1e-6)
+    assert scalars["tflops"][0][1] == pytest.approx(200.0) and scalars["busy_ms"][0][1] == pytest.approx(400.0)

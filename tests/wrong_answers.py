@@ -1019,8 +1019,9 @@ WRONG_ANSWERS = [
                 caught_by=(2,)),
 ]
 
-# Exercise 12b, the divergence alarm's loss test: each class of mistake the issue names (types coerced before they
-# are checked, inputs of one easy kind, routes around the exercise through labkit's own code) and the rule's own.
+# Lesson 12's first exercise, the divergence alarm's loss test: each class of mistake the issue names (types coerced
+# before they are checked, inputs of one easy kind, routes around the exercise through labkit's own code) and the
+# rule's own.
 WRONG_ANSWERS += [
     WrongAnswer('alarm_mean_of_all', 'divergence_alarm', '12_divergence_alarm.py',
                 '    total, others = sum(losses), len(losses) - 1\n    return [loss - (total - loss) / others for loss in losses]\n',

@@ -30,8 +30,8 @@ agree on decides each test:
   did in the step (here the CPU time of its training thread, to which a wait in a collective adds nothing, nor do
   gloo's or TensorBoard's own threads): a rank whose own time exceeds ``straggler_ratio`` times the median of the
   ranks' for ``straggler_checks`` checks running is named, as Megatron-LM's straggler detector (``--log-straggler``)
-  names the slowest ranks by their own kernel time.  On a GPU the CPU time counts kernel launches and a spinning
-  wait, not the kernels: there, time the compute with CUDA events.
+  reports the ranks of lowest and highest throughput, timing each rank's own GPU work.  On a GPU the CPU time counts
+  kernel launches and a spinning wait, not the kernels: there, time the compute with CUDA events.
 
 Each alarm is raised once per reason and set of ranks; every rank gets the same list (the all-gather is collective).
 """
@@ -72,7 +72,7 @@ def parameter_fingerprint(module: nn.Module) -> float:
 
 
 # --------------------------------------------------------------------------------------------------------
-# The loss test's rule, on plain numbers (exercise 12b writes these three)
+# The loss test's rule, on plain numbers (lesson 12's first exercise writes these three)
 
 
 def deviations(losses: Sequence[float]) -> list[float]:
@@ -222,8 +222,8 @@ class DivergenceAlarm:
         broken = tuple(rank for rank, loss in zip(ranks, losses, strict=True) if not math.isfinite(loss))
         if broken:
             names = ", ".join(f"rank {rank}" for rank in broken)
-            return self._raise("loss", step, broken, f"{names}: the loss is not finite "
-                               f"({', '.join(f'rank {rank} {loss}' for rank, loss in zip(ranks, losses, strict=True))})")
+            shown = ", ".join(f"rank {rank} {loss}" for rank, loss in zip(ranks, losses, strict=True))
+            return self._raise("loss", step, broken, f"{names}: the loss is not finite ({shown})")
         if len(ranks) < 2:
             return []
         self.deviations.append(deviations(losses))

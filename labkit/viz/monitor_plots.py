@@ -150,7 +150,7 @@ def plot_stall(workers: Sequence[int], measured_step: Sequence[float], measured_
                model_step: Sequence[float], cores_step: Sequence[float], cores: int, title: str) -> Figure:
     """Measured step time and data wait (ms) against the number of workers, beside the model without a core limit
     and with ``cores``."""
-    figure = Figure(figsize=(7.5, 3.6))
+    figure = Figure(figsize=(9.5, 3.6))
     axis = figure.subplots()
     axis.plot(workers, [1e3 * value for value in measured_step], "o-", color="#4C72B0", label="measured step")
     axis.plot(workers, [1e3 * value for value in measured_wait], "o-", color="#C44E52", label="measured data wait")
@@ -162,7 +162,7 @@ def plot_stall(workers: Sequence[int], measured_step: Sequence[float], measured_
     axis.set_ylabel("ms per step")
     axis.set_ylim(bottom=0)
     axis.set_title(title, fontsize=10)
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside: nothing hidden
     figure.tight_layout()
     return figure
 

@@ -1,4 +1,5 @@
-"""Checks for exercise 12b (``12_divergence_alarm.py``): the divergence alarm's loss test, in three functions.
+"""Checks for lesson 12's first exercise (``12_divergence_alarm.py``): the divergence alarm's loss test, in three
+functions.
 
 1. ``deviations``: each rank's loss minus the others' mean, for 2 to 8 ranks, from a list, a tuple or a deque,
    returned as a list or tuple of plain numbers (not a generator, not tensors), the caller's losses untouched.  The
