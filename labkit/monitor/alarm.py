@@ -252,7 +252,7 @@ class DivergenceAlarm:
             mine = statistics.fmean(row[index] for row in self.own_times)
             median = statistics.fmean(statistics.median(row) for row in self.own_times)
             alarms += self._raise("straggler", step, (ranks[index],),
-                                  f"rank {ranks[index]}: a straggler: its own work took {mine / median:.2f}x the "
-                                  f"median rank's ({1e3 * mine:.1f} ms against {1e3 * median:.1f} ms a step) "
-                                  f"{len(self.own_times)} checks running; every other rank waits for it")
+                                  f"rank {ranks[index]}: a straggler, every other rank waits for it (its own work "
+                                  f"{mine / median:.2f}x the median rank's, {1e3 * mine:.1f} ms against "
+                                  f"{1e3 * median:.1f} ms a step, {len(self.own_times)} checks running)")
         return alarms
