@@ -663,7 +663,7 @@ def test_tensorboard_overlays_every_ranks_run_of_a_short_training(browser_page, 
         browser_page.wait_for_timeout(3000)  # the charts draw their lines after their titles and legends
         shot = lab.artifacts / "tensorboard-timeseries.png"
         browser_page.screenshot(path=str(shot))
-        print(f"TensorBoard's page with both ranks' runs: {shot}")
+        print(f"TensorBoard's page with every rank's run, smoothing 0: {shot}")
     finally:
         server.terminate()
         server.wait(timeout=30)
