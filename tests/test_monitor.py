@@ -127,6 +127,12 @@ def test_the_loss_rule_in_three_steps_is_the_alarms_own():
     assert monitor.departed([[0.5, -0.5 / 3, -0.5 / 3, -0.5 / 3]] * 16, 16, 0.5) == ()  # at the limit: inside
     with pytest.raises(ValueError, match="at least two ranks"):
         monitor.deviations([1.0])
+    with pytest.raises(ValueError, match="at least two checks"):
+        monitor.loss_band([[0.1, -0.1]], 16, 5.0)
+    with pytest.raises(ValueError, match="at least one check of at least two ranks"):
+        monitor.departed([], 16, 0.1)
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds, got 0"):
+        monitor.watched_group(timeout_s=0)
 
 
 def test_a_rank_slower_at_every_check_is_a_straggler_and_one_slow_once_is_not():

@@ -106,6 +106,8 @@ def departed(rows: Sequence[Sequence[float]], window: int, limit: float) -> tupl
     images); else none.  The furthest alone: the others' mean carries a third of a departing rank's offset into
     every other deviation (with four ranks), so healthy ranks may cross the band too."""
     recent = list(rows)[-window:]
+    if not recent or len(recent[0]) < 2:
+        raise ValueError(f"need at least one check of at least two ranks, got {len(recent)} check(s)")
     ranks = len(recent[0])
     means = [statistics.fmean(row[index] for row in recent) for index in range(ranks)]
     furthest = max(range(ranks), key=lambda index: abs(means[index]))

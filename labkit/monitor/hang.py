@@ -37,6 +37,10 @@ def watched_group(timeout_s: float = 60.0, detail: bool = False, buffer: int = 6
     joins raises after ``timeout_s`` rather than gloo's 30 minutes, and with ``detail`` the group runs under
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (its collectives' fingerprints compared first), which is put back afterwards:
     the other groups run as before."""
+    if not (isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+        raise ValueError(f"buffer must be a positive number of collectives, got {buffer!r}")
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(buffer))
     previous = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
     if detail:

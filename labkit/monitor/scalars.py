@@ -93,6 +93,8 @@ def gather_scalars(values: dict[str, float], group=None) -> dict[int, dict[str, 
 def summarize(by_rank: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
     """``{"min": {tag: ...}, "mean": ..., "max": ..., "rank_of_max": {tag: rank}}`` over the ranks of ``by_rank``
     (a NaN on any rank makes that tag's statistics NaN: a broken rank is not averaged away)."""
+    if not by_rank:
+        raise ValueError("need the scalars of at least one rank, got none")
     tags = sorted(next(iter(by_rank.values())))
     summary: dict[str, dict[str, float]] = {name: {} for name in (*SUMMARY_RUNS, "rank_of_max")}
     for tag in tags:
