@@ -307,6 +307,20 @@ def test_every_explorer_slider_redraws_on_release_and_no_description_is_cut(ring
             assert int(dropdown.layout.width.removesuffix("ch")) >= description + longest + 4, name
 
 
+def test_every_slider_keeps_a_track_as_wide_as_a_hand_can_drag_beside_its_description(ring_records):
+    """ipywidgets gives a slider 300 px for its description, track and readout together: a long description left
+    lesson 12's tracks 15-20 px wide.  ``connect`` widens each slider by its description, for every lesson."""
+    from labkit.viz import monitor_plots
+
+    explorers = {**_explorers(ring_records), "loader": monitor_plots.loader_explorer()}
+    for name, explorer in explorers.items():
+        for slider in (control for control in explorer_controls(explorer) if isinstance(control, widgets.SLIDERS)):
+            description = slider.style.description_width
+            assert slider.layout.width == (f"calc({description} + "
+                                           f"{widgets.SLIDER_TRACK_PX + widgets.SLIDER_READOUT_PX}px)"), name
+    assert widgets.SLIDER_TRACK_PX >= 200  # 0-200 ms in steps of 5: 5 px a step or more
+
+
 def test_every_explorer_control_changes_its_figure(ring_records):
     for name, explorer in _explorers(ring_records).items():
         picture = next(child for child in explorer.children if isinstance(child, ipywidgets.Image))

@@ -54,11 +54,44 @@ def test_every_ranks_scalars_reach_tensorboard_and_the_alarm_prints_on_rank_zero
     scalars = monitor.read_scalars(tmp_path)
     assert sorted(scalars) == [0, 1]
     for rank in (0, 1):
-        assert set(scalars[rank]) == {*monitor.TAGS, "alarm/parameters"} - {"peak_memory_bytes"}  # CPU: no peak
-        for tag in monitor.TAGS[:-1]:
+        assert set(scalars[rank]) == {*monitor.TAGS, "alarm/parameters"}  # CPU: no GPU memory, no MFU
+        for tag in monitor.TAGS:
             assert [step for step, _ in scalars[rank][tag]] == [1, 2, 3, 4, 5], tag
         assert all(value > 0 for _, value in scalars[rank]["comm_bytes"])
+        flops = train.model_flops(train.TrainConfig(model="tiny-mlp"))  # per rank: the model FLOPs over the step
+        for (_, tflops), (_, step_ms) in zip(scalars[rank]["tflops"], scalars[rank]["step_ms"], strict=True):
+            assert tflops == pytest.approx(flops / (step_ms / 1e3) / 1e12, rel=1e-5)  # event files hold float32
     assert scalars[0]["loss"] != scalars[1]["loss"]  # two replicas apart: two curves
+
+
+def test_a_nan_on_one_rank_is_named_where_it_starts_and_reaches_every_rank_a_step_later(monkeypatch):
+    results = trained(monkeypatch, "nan:1", steps=5)
+    finite = [[result["losses"][step] == result["losses"][step] for result in results] for step in range(5)]
+    assert finite == [[True] * 4] * 2 + [[True, False, True, True]] + [[False] * 4] * 2
+    assert [alarm.split(" (")[0] for alarm in results[0]["alarms"]] == [
+        "step 3: rank 1: the loss is not finite", "step 4: rank 0, rank 1, rank 2, rank 3: the loss is not finite"]
+
+
+def test_a_straggler_is_named_by_its_own_work_though_every_ranks_step_takes_as_long(monkeypatch, tmp_path):
+    results = trained(monkeypatch, "slow:2", steps=12, tensorboard=str(tmp_path))
+    assert results[0]["alarms"][0].startswith("step 8: rank 2: a straggler"), results[0]["alarms"]
+    scalars = monitor.read_scalars(tmp_path)
+    work = {rank: sum(value for _, value in scalars[rank]["busy_ms"][4:]) for rank in range(4)}
+    wall = {rank: sum(value for _, value in scalars[rank]["step_ms"][4:]) for rank in range(4)}
+    assert max(work, key=work.get) == 2 and work[2] > 3 * max(work[rank] for rank in (0, 1, 3))
+    assert max(wall.values()) < 1.5 * min(wall.values())  # everybody waits for rank 2: the wall clock cannot tell
+
+
+def test_the_summary_is_rank_zeros_three_runs_of_every_ranks_minimum_mean_and_maximum(monkeypatch, tmp_path):
+    trained(monkeypatch, "slow:1", steps=6, tensorboard=str(tmp_path), tensorboard_ranks="summary")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["max", "mean", "min"]  # one writer, any world
+    summary = monitor.read_scalars(tmp_path, runs="summary")
+    assert set(summary["min"]) == set(monitor.TAGS) and set(summary["max"]) >= {f"rank_of_max/{tag}"
+                                                                                 for tag in monitor.TAGS}
+    for (_, low), (_, mean), (_, high) in zip(*(summary[name]["loss"] for name in ("min", "mean", "max")),
+                                              strict=True):
+        assert low <= mean <= high and low < high  # four batches, four losses
+    assert {value for _, value in summary["max"]["rank_of_max/busy_ms"][2:]} == {1.0}  # the slow rank, by name
 
 
 @pytest.mark.parametrize("flags, fault, message", [
@@ -67,6 +100,8 @@ def test_every_ranks_scalars_reach_tensorboard_and_the_alarm_prints_on_rank_zero
     ([], "seed", "give the rank, as seed:RANK"),
     ([], "no-reduce:1", "no-reduce applies to every rank"),
     (["--strategy", "single"], "seed:0", "needs a data-parallel --strategy"),
+    (["--model", "tiny-gpt"], "nan:1", "nan writes an infinite feature: it needs --model tiny-mlp"),
+    (["--tensorboard-ranks", "some"], None, "--tensorboard-ranks must be one of ('every', 'summary'), got 'some'"),
 ])
 def test_bad_monitoring_settings_exit_with_a_message_before_any_process_starts(monkeypatch, capsys, flags, fault,
                                                                                 message):

@@ -60,6 +60,8 @@ EXERCISES: dict[str, tuple[str, str, str]] = {
                        "3D parallelism: a mesh laid out in any order, and the nodes its groups span"),
     "planning": ("11_planning.py", "labkit.grading.checkers.planning",
                  "Planning a training run: one 3D step's time by hand (compute, TP, bubble, DP)"),
+    "divergence_alarm": ("12_divergence_alarm.py", "labkit.grading.checkers.divergence_alarm",
+                         "The divergence alarm: each rank's deviation, the noise band, the rank that left"),
     "input_pipeline": ("12_input_pipeline.py", "labkit.grading.checkers.input_pipeline",
                        "The input pipeline: the seed of one sample's augmentation, the same in every process"),
     "long_context": ("13_long_context.py", "labkit.grading.checkers.long_context",

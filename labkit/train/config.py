@@ -70,6 +70,7 @@ class TrainConfig:
     trace: str | None = None  # write a Chrome trace of the last step here
     log_dir: str | None = None  # each rank's progress in DIR/rank-R.log
     tensorboard: str | None = None  # each rank's scalars in DIR/rank-R, a TensorBoard run each (labkit.monitor)
+    tensorboard_ranks: str = "every"  # or "summary": rank 0 writes DIR/min, mean and max over every rank
     alarm_every: int = 1  # the divergence alarm compares the data-parallel ranks every N steps (0: never)
     workers: int | None = None  # the input pipeline (labkit.loader): a DataLoader with this many worker processes
     data_ms: float = 0.0  # CPU time to make each sample (decoding, simulated), in milliseconds
@@ -193,6 +194,10 @@ class TrainConfig:
                              "N >= 1")
         if monitor.fault_from_environment() is not None and (self.three_d or self.strategy == "single"):
             raise ValueError(f"{monitor.FAULT_VARIABLE} needs a data-parallel --strategy (ddp, zero1, zero2, fsdp)")
+        if (monitor.fault_from_environment() or ("",))[0] == "nan" and self.model != "tiny-mlp":
+            raise ValueError(f"{monitor.FAULT_VARIABLE}=nan writes an infinite feature: it needs --model tiny-mlp")
+        if self.tensorboard_ranks not in monitor.LOG_RANKS:
+            raise ValueError(f"--tensorboard-ranks must be one of {monitor.LOG_RANKS}, got {self.tensorboard_ranks!r}")
         # The numbers: finite, or an inf learning rate trains to NaN and a nan bucket size fails inside every rank.
         # --bucket-cap-mb 0 is one all-reduce a parameter; --data-ms 0 makes samples at no cost.
         for flag, value, positive in (("--lr", self.lr, True), ("--clip-grad-norm", self.clip_grad_norm, True),
@@ -277,6 +282,9 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     parser.add_argument("--log-dir", default=None, help="each rank appends its progress to DIR/rank-R.log")
     parser.add_argument("--tensorboard", default=None, metavar="DIR",
                         help="each rank writes its scalars to DIR/rank-R (tensorboard --logdir DIR overlays them)")
+    parser.add_argument("--tensorboard-ranks", default="every", metavar="every|summary",
+                        help="with --tensorboard: every rank its own run, or (many ranks) rank 0's min, mean and max "
+                             "over every rank in DIR/min, DIR/mean, DIR/max")
     parser.add_argument("--alarm-every", type=int, default=1, metavar="N",
                         help="compare the data-parallel ranks' loss, gradient norm and weights every N steps (0: off)")
     parser.add_argument("--workers", type=int, default=None, metavar="N",

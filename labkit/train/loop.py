@@ -199,8 +199,9 @@ def train(config: TrainConfig) -> dict:
     log = _rank_log(config, mesh)
     replicated = (config.zero if config.three_d else {"zero1": 1, "zero2": 2, "fsdp": 3}.get(config.strategy, 0)) < 3
     watch = monitor.TrainingMonitor(config.tensorboard, config.alarm_every, mesh.group("dp") if mesh else None,
-                                    replicated)
+                                    replicated, ranks=config.tensorboard_ranks)
     tokens = config.batch_size * (config.gpt_config().block_size if config.model == "tiny-gpt" else 1)
+    flops = report.model_flops(config) / ((config.tp or 1) * (config.pp or 1) * (config.cp or 1))  # this rank's
     if dist.is_main():
         layout = (f"dp={config.dp} x tp={config.tp} x pp={config.pp}"
                   + (f" x cp={config.cp} ({config.cp_strategy}, {config.cp_split})" if config.cp > 1 else "")
@@ -218,11 +219,10 @@ def train(config: TrainConfig) -> dict:
     began = time.perf_counter()
     for step in range(start + 1, config.steps + 1):
         _maybe_killed(step)
-        fetched = time.perf_counter()
+        fetched, working = time.perf_counter(), time.thread_time()  # wall clock; this thread's CPU time
         inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch(step))  # overlaps if pinned
-        if fault == "data":
-            targets = targets.roll(1, dims=-1)
         data_wait = time.perf_counter() - fetched
+        inputs, targets = monitor.corrupt(fault, step, inputs, targets)  # LABKIT_TRAIN_FAULT: data, nan, slow
         traced = config.trace is not None and step == config.steps
         if traced:
             trace.enable(coords=mesh.coords() if mesh else None)
@@ -244,6 +244,7 @@ def train(config: TrainConfig) -> dict:
         history.append(loss.item())
         alarms = watch.record(step, model.module, loss=history[-1], lr=optimizer.param_groups[0]["lr"],
                               grad_norm=grad_norm, step_s=time.perf_counter() - fetched, data_wait_s=data_wait,
+                              busy_s=time.thread_time() - working, flops=flops,
                               comm_bytes=sum(model.communication_per_step().values()), tokens=tokens)
         for alarm in alarms:
             if dist.is_main():

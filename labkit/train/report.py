@@ -16,6 +16,8 @@ import torch
 import torch.distributed as torch_dist
 
 from labkit import checkpoint, dist, launch
+from labkit.costmodel.compute import model_flops_per_step
+from labkit.costmodel.shapes import TransformerShape
 from labkit.parallel.experts.layer import moe_layers
 from labkit.train.config import MiB, TrainConfig
 
@@ -138,3 +140,14 @@ def progress_line(step: int, start: int, steps: int, losses: list[float], floor:
             + (f" | MiB/step: {sent}" if sent else "")
             + (f" | {extra}" if extra else "")
             + f" | {1e3 * elapsed / max(1, step - start):.1f} ms/step")
+
+
+def model_flops(config: TrainConfig) -> float:
+    """The model FLOPs of one step of one data-parallel rank's batch (forward and backward, no recomputation), as
+    MFU counts them: TinyGPT's by :func:`labkit.costmodel.compute.model_flops_per_step` (Narayanan et al.'s count,
+    the active experts of an MoE block included), TinyMLP's 6 FLOPs per weight per sample."""
+    if config.model != "tiny-gpt":
+        weights = sum(parameter.numel() for name, parameter in config.meta_model().named_parameters()
+                      if name.endswith("weight"))
+        return 6.0 * weights * config.batch_size
+    return model_flops_per_step(TransformerShape.from_gpt_config(config.gpt_config()), config.batch_size)

@@ -17,8 +17,9 @@ from labkit.viz.plots import RANK_COLORS, figure_to_png
 from labkit.viz.widgets import ROW, connect
 
 TAG_LABELS = {"loss": "loss (nats)", "lr": "learning rate", "grad_norm": "gradient norm", "tokens_per_s": "tokens/s",
-              "step_ms": "step time (ms)", "data_wait_ms": "data wait (ms)", "comm_bytes": "bytes sent per step",
-              "peak_memory_bytes": "peak memory (bytes)"}
+              "step_ms": "step time (ms)", "busy_ms": "own work (ms of CPU a step)", "data_wait_ms": "data wait (ms)",
+              "comm_bytes": "bytes sent per step", "tflops": "model TFLOP/s", "peak_memory_bytes": "peak memory (bytes)",
+              "memory_reserved_bytes": "memory reserved (bytes)", "mfu": "MFU"}
 
 
 def plot_rank_scalars(runs: dict[str, dict[int, dict[str, list[tuple[int, float]]]]], tag: str = "loss",
@@ -26,7 +27,7 @@ def plot_rank_scalars(runs: dict[str, dict[int, dict[str, list[tuple[int, float]
     """One panel per run (``{title: labkit.monitor.read_scalars(folder)}``): every rank's ``tag`` against the step,
     a line per rank as TensorBoard overlays them, and each alarm (``{title: [(step, label), ...]}``) as a dashed
     line at its step with its label."""
-    figure = Figure(figsize=(4.0 * len(runs), 3.4))
+    figure = Figure(figsize=(4.0 * len(runs), 3.7))
     axes = figure.subplots(1, len(runs), sharey=True, squeeze=False)[0]
     for axis, (title, ranks) in zip(axes, runs.items(), strict=True):
         for rank, scalars in sorted(ranks.items()):
@@ -34,13 +35,14 @@ def plot_rank_scalars(runs: dict[str, dict[int, dict[str, list[tuple[int, float]
             axis.plot(steps, values, color=RANK_COLORS[rank % len(RANK_COLORS)], linewidth=1.2, label=f"rank {rank}")
         for step, label in (alarms or {}).get(title, []):
             axis.axvline(step, color="#B00000", linestyle="--", linewidth=1)
-            axis.text(step, 0.97, f" {label}", transform=axis.get_xaxis_transform(), color="#B00000", fontsize=8,
-                      va="top")
+            axis.text(step, 0.98, f" {label}", transform=axis.get_xaxis_transform(), color="#B00000", fontsize=8,
+                      va="top", rotation=90)
         axis.set_title(title, fontsize=10)
         axis.set_xlabel("step")
     axes[0].set_ylabel(TAG_LABELS.get(tag, tag))
-    axes[-1].legend(fontsize=8, loc="upper right")
-    figure.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()  # below the panels: no curve is hidden behind it
+    figure.legend(handles, labels, fontsize=8, loc="lower center", ncols=len(labels), frameon=False)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     return figure
 
 
@@ -48,7 +50,7 @@ def plot_deviations(deviations: Sequence[Sequence[float]], ranks: Sequence[int],
                     title: str) -> Figure:
     """Each rank's loss minus the other ranks' mean, check by check (thin), its mean over the last ``window``
     checks (thick), and the alarm's band ``+-limit`` (grey)."""
-    figure = Figure(figsize=(8.5, 3.4))
+    figure = Figure(figsize=(10.5, 3.4))
     axis = figure.subplots()
     checks = range(1, len(deviations) + 1)
     for column, rank in enumerate(ranks):
@@ -62,8 +64,60 @@ def plot_deviations(deviations: Sequence[Sequence[float]], ranks: Sequence[int],
     axis.set_xlabel("check (step)")
     axis.set_ylabel("loss - other ranks' mean (nats)")
     axis.set_title(title, fontsize=10)
-    axis.legend(fontsize=7, loc="upper left", ncols=2)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside: no line hidden
     figure.tight_layout()
+    return figure
+
+
+def plot_band_margins(margins: dict[str, float], title: str) -> Figure:
+    """How close each run came to the loss alarm's band: ``{run: the largest |mean deviation| / limit over the checks
+    it judged}``, one bar each on a log scale, the band's edge (1) drawn; a bar past it is an alarm."""
+    figure = Figure(figsize=(8.5, 0.45 * len(margins) + 1.4))
+    axis = figure.subplots()
+    names = list(margins)
+    values = [margins[name] for name in names]
+    colors = ["#C44E52" if value > 1 else "#4C72B0" for value in values]
+    axis.barh(range(len(names)), values, color=colors)
+    for row, value in enumerate(values):
+        axis.text(value * 1.08, row, f"{value:.2f}", va="center", fontsize=8)
+    axis.axvline(1.0, color="#B00000", linestyle="--", linewidth=1)
+    axis.text(1.0, len(names) - 0.4, " the band's edge: an alarm past it", color="#B00000", fontsize=8)
+    axis.set_yticks(range(len(names)), names, fontsize=8)
+    axis.invert_yaxis()
+    axis.set_xscale("log")
+    axis.set_xlim(min(values + [0.1]) / 1.5, max(values + [1.0]) * 2.5)
+    axis.set_xlabel("largest |mean deviation over 16 checks| / the band's half-width (log scale)")
+    axis.set_title(title, fontsize=10)
+    figure.tight_layout()
+    return figure
+
+
+def plot_summary(summary: dict[str, dict[str, list[tuple[int, float]]]], tags: Sequence[str],
+                 alarms: Sequence[tuple[int, str]] = (), title: str = "", from_step: int = 1) -> Figure:
+    """Rank 0's summary of every rank (``labkit.monitor.read_scalars(folder, runs="summary")``): for each tag a panel
+    with the band from the minimum to the maximum over the ranks, the mean and the maximum, from ``from_step`` on,
+    and the alarms as dashed lines."""
+    figure = Figure(figsize=(4.6 * len(tags), 3.4))
+    axes = figure.subplots(1, len(tags), squeeze=False)[0]
+    for axis, tag in zip(axes, tags, strict=True):
+        kept = {name: [(step, value) for step, value in summary[name][tag] if step >= from_step]
+                for name in ("min", "mean", "max")}
+        steps = [step for step, _ in kept["mean"]]
+        low, mean, high = ([value for _, value in kept[name]] for name in ("min", "mean", "max"))
+        axis.fill_between(steps, low, high, color="#4C72B0", alpha=0.25, linewidth=0, label="min to max over the ranks")
+        axis.plot(steps, mean, color="#4C72B0", linewidth=1.4, label="mean over the ranks")
+        axis.plot(steps, high, color="#C44E52", linewidth=1, label="max over the ranks")
+        for step, label in alarms:
+            axis.axvline(step, color="#B00000", linestyle="--", linewidth=1)
+            axis.text(step, 0.98, f" {label}", transform=axis.get_xaxis_transform(), color="#B00000", fontsize=8,
+                      va="top", rotation=90)
+        axis.set_xlabel("step")
+        axis.set_ylabel(TAG_LABELS.get(tag, tag))
+        axis.set_ylim(bottom=0)
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, fontsize=8, loc="lower center", ncols=3, frameon=False)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     return figure
 
 
@@ -96,7 +150,7 @@ def plot_stall(workers: Sequence[int], measured_step: Sequence[float], measured_
                model_step: Sequence[float], cores_step: Sequence[float], cores: int, title: str) -> Figure:
     """Measured step time and data wait (ms) against the number of workers, beside the model without a core limit
     and with ``cores``."""
-    figure = Figure(figsize=(7.5, 3.6))
+    figure = Figure(figsize=(9.5, 3.6))
     axis = figure.subplots()
     axis.plot(workers, [1e3 * value for value in measured_step], "o-", color="#4C72B0", label="measured step")
     axis.plot(workers, [1e3 * value for value in measured_wait], "o-", color="#C44E52", label="measured data wait")
@@ -108,16 +162,32 @@ def plot_stall(workers: Sequence[int], measured_step: Sequence[float], measured_
     axis.set_ylabel("ms per step")
     axis.set_ylim(bottom=0)
     axis.set_title(title, fontsize=10)
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside: nothing hidden
     figure.tight_layout()
     return figure
 
 
+def loader_picture(t_data: float, t_compute: float, workers: int, prefetch_factor: int, steps: int = 16
+                   ) -> tuple[Figure, str]:
+    """The loader explorer's picture and caption for these settings (seconds): the DataLoader's first ``steps``
+    simulated (:func:`labkit.loader.simulate_loader`) and the steady-state stall of
+    :func:`labkit.loader.stall_model`."""
+    timeline = loader.simulate_loader(t_data, t_compute, workers, prefetch_factor, steps=steps)
+    wait = loader.stall_model(t_data, t_compute, workers)
+    need = math.ceil(t_data / t_compute) if t_compute else 0
+    caption = (f"steady state: the loop waits {1e3 * wait:.1f} ms a step (max(0, t_data / W - t_compute)"
+               f"{'; with no workers, all of t_data' if workers == 0 else ''}), a step every "
+               f"{1e3 * (t_compute + wait):.1f} ms; {need} worker(s) hide the data entirely (with a core each); the "
+               "first batch is always waited for in full.")
+    figure = plot_loader_timeline(timeline, workers, t_compute,
+                                  f"{workers} workers, prefetch_factor {prefetch_factor}: the first {steps} steps")
+    return figure, caption
+
+
 def loader_explorer(t_data_ms: float = 60.0, t_compute_ms: float = 20.0, workers: int = 2,
                     prefetch_factor: int = 2) -> widgets.VBox:
-    """Choose the time to make a batch, the time to compute a step, the workers and the prefetch factor: the
-    DataLoader's first steps simulated (:func:`labkit.loader.simulate_loader`) and the steady-state stall of
-    :func:`labkit.loader.stall_model`."""
+    """Choose the time to make a batch, the time to compute a step, the workers and the prefetch factor: the picture
+    and caption of :func:`loader_picture`."""
     data_slider = widgets.IntSlider(value=t_data_ms, min=5, max=200, step=5, description="t_data (ms a batch)")
     compute_slider = widgets.IntSlider(value=t_compute_ms, min=5, max=200, step=5,
                                        description="t_compute (ms a step)")
@@ -126,18 +196,10 @@ def loader_explorer(t_data_ms: float = 60.0, t_compute_ms: float = 20.0, workers
     picture, summary = widgets.Image(format="png"), widgets.HTML()
 
     def redraw() -> None:
-        t_data, t_compute = data_slider.value / 1e3, compute_slider.value / 1e3
-        count, prefetch = worker_slider.value, prefetch_slider.value
-        steps = 16
-        timeline = loader.simulate_loader(t_data, t_compute, count, prefetch, steps=steps)
-        wait = loader.stall_model(t_data, t_compute, count)
-        need = math.ceil(t_data / t_compute) if t_compute else 0
-        summary.value = (f"<small>steady state: the loop waits <b>{1e3 * wait:.1f} ms</b> a step "
-                         f"(max(0, t_data / W - t_compute){' ; with no workers, all of t_data' if count == 0 else ''}), "
-                         f"a step every {1e3 * (t_compute + wait):.1f} ms; {need} worker(s) hide the data entirely "
-                         f"(with a core each); the first batch is always waited for in full.</small>")
-        picture.value = figure_to_png(plot_loader_timeline(
-            timeline, count, t_compute, f"{count} workers, prefetch_factor {prefetch}: the first {steps} steps"))
+        figure, caption = loader_picture(data_slider.value / 1e3, compute_slider.value / 1e3, worker_slider.value,
+                                         prefetch_slider.value)
+        summary.value = f"<small>{caption}</small>"
+        picture.value = figure_to_png(figure)
 
     controls = (data_slider, compute_slider, worker_slider, prefetch_slider)
     connect(controls, redraw)

@@ -18,6 +18,11 @@ from labkit.costmodel import collectives, compute, hardware, memory, shapes, ten
 from labkit.costmodel import step as step_model
 from labkit.viz import plots, tensor_plots, training_plots
 
+SLIDERS = (widgets.IntSlider, widgets.FloatSlider, widgets.FloatLogSlider, widgets.IntRangeSlider,
+           widgets.FloatRangeSlider, widgets.SelectionSlider, widgets.SelectionRangeSlider)
+SLIDER_TRACK_PX = 220  # a slider's track, beside its description (connect)
+SLIDER_READOUT_PX = 80  # the value printed after the track, and the margins
+
 
 def connect(controls: Sequence[widgets.Widget], draw: Callable[[], None]) -> None:
     """Redraw with ``draw`` (which reads every control's current value itself) whenever a control changes.
@@ -28,7 +33,9 @@ def connect(controls: Sequence[widgets.Widget], draw: Callable[[], None]) -> Non
       makes that redraw run once more, instead of nesting a second one whose newer figure the first would
       then overwrite with an older one.
     - Descriptions are as wide as the longest (so nothing is cut to "…" and the sliders line up), and so is
-      each dropdown's longest option.
+      each dropdown's longest option.  A slider's width holds its description too (ipywidgets gives the whole
+      slider 300 px), so each slider is widened by its description: its track keeps :data:`SLIDER_TRACK_PX` (a
+      long description otherwise left the track 15-20 px wide, and one drag jumped across most of the range).
     """
     state = {"drawing": False, "stale": False}
     labels = [len(control.description) for control in controls if not isinstance(control, widgets.Checkbox)]
@@ -53,6 +60,8 @@ def connect(controls: Sequence[widgets.Widget], draw: Callable[[], None]) -> Non
         if isinstance(control, widgets.Dropdown):  # the layout's width holds the description too
             longest = max(len(str(label)) for label in control._options_labels)
             control.layout.width = f"{description_width + longest + 7}ch"  # + the arrow and padding
+        elif isinstance(control, SLIDERS) and control.layout.width is None:
+            control.layout.width = f"calc({description_width}ch + {SLIDER_TRACK_PX + SLIDER_READOUT_PX}px)"
         control.observe(redraw, names="value")
     redraw()
 
