@@ -153,12 +153,14 @@ def test_bad_input_pipeline_flags_are_refused_before_any_process_starts(flags, m
 @pytest.mark.parametrize("t_data, t_compute", [(0.060, 0.020), (0.0907, 0.0308), (0.050, 0.020), (0.068, 0.020)])
 def test_the_lessons_stall_checks_reject_the_rival_model_each_names(t_data, t_compute):
     """Lesson 12's costs (nominal, as measured, and either side): a step measured at the core-limited model's time
-    passes STEP_BANDS[W], one at the unlimited-core model's fails it at 2 and 4 workers on 2 cores; the formula's wait
+    passes STEP_BANDS[W], one at the unlimited-core model's or the no-overlap baseline's fails it at 2 and 4 workers on
+    2 cores; the formula's wait
     with one worker passes OVERLAP_LIMIT, a worker that overlapped a twentieth of the batch (and none) fails it."""
     for workers in (2, 4):
         cored = t_compute + loader.stall_model(t_data, t_compute, workers, cores=2)
         unlimited = t_compute + loader.stall_model(t_data, t_compute, workers)
         assert loader.STEP_BANDS[workers].contains(cored, cored)
         assert not loader.STEP_BANDS[workers].contains(unlimited, cored), (workers, unlimited / cored)
+        assert not loader.STEP_BANDS[workers].contains(t_data + t_compute, cored)  # workers that change nothing
     formula = loader.stall_model(t_data, t_compute, 1) / loader.stall_model(t_data, t_compute, 0)
     assert formula < loader.OVERLAP_LIMIT <= 0.95 <= 1.0

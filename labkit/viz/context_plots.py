@@ -45,7 +45,7 @@ def plot_attention_memory(seq_lens: Sequence[int], saved: Mapping[str, Sequence[
     left, right = figure.subplots(1, 2)
     colors = {"scores": "#C44E52", "blockwise": "#4C72B0"}
     for name in saved:
-        label = f"{name}: model" + (" (the probabilities alone)" if name == "scores" else "")
+        label = f"{name}: model" + (" (q, k, v, probabilities, mask)" if name == "scores" else "")
         left.plot(seq_lens, model[name], color=colors.get(name), linewidth=1.2, label=label)
         left.plot(seq_lens, saved[name], "o", color=colors.get(name), label=f"{name}: measured")
         right.plot(seq_lens, largest[name], "o-", color=colors.get(name), label=name)
