@@ -144,6 +144,16 @@ def _benchmarks_folder() -> Path:
     return Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def stored_benchmark(name: str) -> list[str]:
+    """The lines of ``benchmarks/results/<name>.txt``, a benchmark's output kept with the repository (its first line
+    says when and where it ran), for the lessons that quote it."""
+    path = _benchmarks_folder() / "results" / f"{name}.txt"
+    if not path.is_file():
+        raise FileNotFoundError(f"no stored output of benchmark {name!r} at {path}: run "
+                                f"`python benchmarks/{name}.py > {path}` in the repository")
+    return path.read_text().splitlines()
+
+
 def bench(args: argparse.Namespace) -> int:
     """Run the benchmarks, each printing its targets as ``PASS:``/``FAIL:`` lines; exit 1 when a target is missed
     or a benchmark fails (``--report-only``: only when one fails), so that a regression is seen."""

@@ -355,17 +355,16 @@ def test_lesson_14s_capacity_and_padding_bands_hold_and_reject_their_rivals():
     dropped), and the padded batch's time over the grouped GEMM's against the rows each computes, measured as
     lesson 14 does, inside the bands it uses; the rival models, time in proportion to the rows (C = 0.5: 1 -
     dropped) and drops or padding that cost nothing (1.0), lie outside the same bands."""
-    from labkit.claims import Band
-    from labkit.parallel.experts.timing import capacity_run, expert_forms_run
+    from labkit.parallel.experts.timing import CAPACITY_BAND, PADDING_BAND, capacity_run, expert_forms_run
 
     capacity = capacity_run([0.5, 1.0, 1.25, 2.0, None])  # as the lesson runs it: the allocator's state counts
     ratio, model = capacity["ratios"][0], 1 - capacity["experts_share"] * capacity["dropped"][0]
-    band = Band(0.86, 1.15, "lesson 14")
+    band = CAPACITY_BAND
     assert band.contains(ratio, model), (ratio, model)
     for rival in (1 - capacity["dropped"][0], 1.0):
         assert not band.contains(rival, model), (rival, model)
     forms = expert_forms_run()
     rows = forms["rows"]["padded"] / forms["rows"]["grouped"]
-    band = Band(0.75, 1.4, "lesson 14")
+    band = PADDING_BAND
     assert band.contains(forms["ratios"]["padded"], rows), forms
     assert not band.contains(1.0, rows)

@@ -390,3 +390,12 @@ def test_checkpoint_writes_name_their_writer_so_a_later_run_can_tell_a_dead_one(
 def test_a_failures_headline_is_its_exception_without_the_module_path(text, expected):
 
     assert report.headline(text) == expected
+
+
+def test_stored_benchmark_reads_a_kept_output_and_names_a_missing_one(tmp_path, monkeypatch):
+    """Lesson 12 prints bench_input's kept output; a benchmark with none is named, with how to make it."""
+    lines = cli.stored_benchmark("bench_input")
+    assert lines[0].startswith("# benchmarks/bench_input.py, run ") and any("false alarm" in line for line in lines)
+    monkeypatch.setattr(cli, "_benchmarks_folder", lambda: tmp_path)
+    with pytest.raises(FileNotFoundError, match="bench_nothing.*python benchmarks/bench_nothing.py"):
+        cli.stored_benchmark("bench_nothing")
