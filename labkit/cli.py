@@ -7,7 +7,9 @@
   (``labkit.costmodel.calibration``); ``--quick`` measures fewer micro-batch sizes and repeats
   (``labkit.calibrate.QUICK``): faster, noisier constants.
 - ``labkit grade [--solutions] [--dir PATH] [--json]`` — score every exercise: a table for a person, JSON
-  for an instructor's tooling.
+  for an instructor's tooling.  ``labkit grade --class DIR [--only TOPICS] [--jobs N] [--timeout S] [--out FILE]``
+  grades every student folder in ``DIR`` in parallel into one CSV and prints a summary per exercise
+  (``labkit.grading.gradebook``).
 - ``labkit bench [--quick] [--report-only] [NAME ...]`` — run the benchmarks in ``benchmarks/`` (each compares a
   labkit technique with PyTorch's built-in, measured in the same run); exits 1 when a target is missed.
 - ``labkit plan --model NAME --gpu NAME --gpus N --global-batch B [--top K] [--efficiency E]`` — the fastest
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as torch_dist
 
 from labkit import __version__, dist, grading, launch
+from labkit.grading import gradebook
 
 
 def _smoke_all_reduce() -> tuple[float, str]:
@@ -116,6 +119,12 @@ def _calibrate(quick: bool = False) -> int:
 
 
 def grade(args: argparse.Namespace) -> int:
+    if args.class_dir is not None:
+        return _grade_class(args)
+    class_only = [flag for flag in ("only", "jobs", "timeout", "out") if getattr(args, flag) is not None]
+    if class_only:
+        print(f"labkit grade: --{class_only[0]} goes with --class DIR", file=sys.stderr)
+        return 2
     directory = args.dir
     if directory is not None and not Path(directory).is_dir():
         print(f"labkit grade: --dir {directory!r} is not a directory", file=sys.stderr)
@@ -137,6 +146,33 @@ def grade(args: argparse.Namespace) -> int:
                           "exercises": [report.to_dict() for report in reports]}, indent=2))
     else:
         print(grading.format_table(reports))
+    return 0
+
+
+def _grade_class(args: argparse.Namespace) -> int:
+    """``labkit grade --class DIR``: every student folder in parallel, one CSV, a summary per exercise; a bad
+    argument exits 2 naming it before any process starts."""
+    out = Path(args.out) if args.out is not None else Path(args.class_dir) / "gradebook.csv"
+    problem = ("--class grades a class's folders: not with --dir or --solutions" if args.dir or args.solutions
+               else f"--out {str(out)!r} is a directory: name a file" if out.is_dir() else None)
+    if problem:
+        print(f"labkit grade: {problem}", file=sys.stderr)
+        return 2
+    try:
+        topics = gradebook.parse_topics(args.only)
+        book = gradebook.grade_class(args.class_dir, topics=topics, jobs=args.jobs, timeout=args.timeout,
+                                     progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except ValueError as error:
+        print(f"labkit grade: {error}", file=sys.stderr)
+        return 2
+    table, checks = gradebook.write_csv(book, out)
+    where = f"gradebook: {table} (every check: {checks})"
+    if args.json:
+        print(json.dumps(book.to_dict(), indent=2))
+        print(where, file=sys.stderr)
+    else:
+        print(f"{len(book.students)} students, {len(topics)} exercise(s), graded in {book.seconds:.0f} s by "
+              f"{book.jobs} worker(s); {where}\n{gradebook.format_summary(book)}")
     return 0
 
 
@@ -335,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     grade_parser.add_argument("--solutions", action="store_true", help="grade solutions/ instead of exercises/")
     grade_parser.add_argument("--dir", metavar="PATH", help="grade the exercise files in this folder")
     grade_parser.add_argument("--json", action="store_true", help="print JSON (for an instructor's tooling)")
+    grade_parser.add_argument("--class", dest="class_dir", metavar="DIR",
+                              help="grade every student folder in DIR (each a copy of exercises/) into one CSV")
+    grade_parser.add_argument("--out", metavar="FILE", help="with --class: the CSV (default: DIR/gradebook.csv)")
+    grade_parser.add_argument("--only", metavar="TOPICS", help="with --class: these exercises, e.g. setup,zero")
+    grade_parser.add_argument("--jobs", type=int, metavar="N", help="with --class: workers (default: one per core)")
+    grade_parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                              help="with --class: at most this long a check (default: each check's own limit)")
     grade_parser.set_defaults(run=grade)
     bench_parser = commands.add_parser("bench", help="run the benchmarks against PyTorch's built-ins")
     bench_parser.add_argument("--quick", action="store_true",

@@ -126,13 +126,14 @@ class Report:
 
 
 def check(topic: str, *, solutions: bool | None = None, directory: str | os.PathLike | None = None,
-          verbose: bool = True) -> Report:
+          verbose: bool = True, timeout: float | None = None) -> Report:
     """Grade one exercise and print a line per check and the score.
 
     Args:
         topic: the exercise's name, e.g. ``"setup"`` for ``00_setup.py``.
         solutions: grade ``solutions/`` instead of ``exercises/``; default: ``$LABKIT_SOLUTIONS`` is set to 1.
         directory: grade the file in this folder instead of the course's ``exercises/``/``solutions/``.
+        timeout: at most this many seconds a check (default: each check's own limit; ``labkit grade --class``).
     """
     if topic not in EXERCISES:
         raise ValueError(f"unknown exercise topic {topic!r}; known topics: {', '.join(EXERCISES)}")
@@ -143,7 +144,7 @@ def check(topic: str, *, solutions: bool | None = None, directory: str | os.Path
     if verbose:
         print(f"Checking {path.name} ({'solutions' if _solutions_mode(solutions) else 'exercises'}):")
     for check_fn in checker.CHECKS:
-        result = run_check(check_fn, path)
+        result = run_check(check_fn, path, timeout)
         report.checks.append(result)
         if verbose:
             print(format_check(result), flush=True)
@@ -250,10 +251,11 @@ def check_name(check_fn: Callable) -> str:
     return (check_fn.__doc__ or check_fn.__name__).strip().splitlines()[0]
 
 
-def run_check(check_fn: Callable[[ModuleType], None], path: Path) -> CheckResult:
-    """Run ``check_fn(student_module)`` in a child process with a time limit; never raises."""
+def run_check(check_fn: Callable[[ModuleType], None], path: Path, timeout: float | None = None) -> CheckResult:
+    """Run ``check_fn(student_module)`` in a child process with a time limit (the check's own, or ``timeout`` where
+    shorter); never raises."""
     name = check_name(check_fn)
-    timeout = getattr(check_fn, "timeout", DEFAULT_CHECK_TIMEOUT)
+    timeout = min(getattr(check_fn, "timeout", DEFAULT_CHECK_TIMEOUT), timeout or float("inf"))
     start = time.monotonic()
     if "fork" not in mp.get_all_start_methods():  # no isolation available (Windows): run in place
         passed, message = _run_check_here(check_fn, path)

@@ -51,7 +51,7 @@ def refuse_copies_of_labkit() -> None:
     """Raise :class:`~labkit.grading.Forbidden` if any loaded module is a copy of one of labkit's files."""
     for name, loaded in list(sys.modules.items()):
         where = getattr(loaded, "__file__", None)
-        if not where:
+        if not where or loaded is sys.modules.get("__main__"):  # the program (`python -m labkit.cli`), not a copy
             continue
         path = Path(where).resolve()
         if _LIBRARY_ROOT / "labkit" not in path.parents:
