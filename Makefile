@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Jupyter refuses to run as root (containers, CI) unless told to.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab venv test check nbval bench lint doctor grade clean-venv tensorboard
+.PHONY: lab venv test check nbval bench lint doctor grade clean-venv tensorboard site site-serve
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "labkit needs Python 3.10+, found " + sys.version' 
@@ -67,6 +67,18 @@ lint: $(STAMP)
 RUN ?= runs
 tensorboard: $(STAMP)  ## TensorBoard on a --tensorboard folder (RUN=DIR): every rank's curves, overlaid
 	$(BIN)/tensorboard --logdir $(RUN) --host 127.0.0.1 --port 6006
+
+# The web edition: every stored lesson as a page (nothing executed), the explorers' pictures drawn from the models,
+# into $(SITE); open $(SITE)/index.html, or serve it.  labkit/site/build.py says how.
+SITE ?= build/site
+PORT ?= 8000
+site: $(STAMP)  ## the course as a static web site in $(SITE) (about a minute and a half on 2 cores)
+	$(BIN)/python -m labkit.site --out $(SITE)
+
+site-serve:  ## serve $(SITE) on http://127.0.0.1:$(PORT)/ (make site first)
+	@test -f $(SITE)/index.html || { echo "no $(SITE)/index.html: run make site first"; exit 2; }
+	@echo "the course: http://127.0.0.1:$(PORT)/ (Ctrl-C stops)"
+	python3 -m http.server $(PORT) --bind 127.0.0.1 --directory $(SITE)
 
 doctor: $(STAMP)
 	$(BIN)/labkit doctor

@@ -113,7 +113,7 @@ LONGEST_FIRST = ["tests/test_browser.py", "tests/test_grading.py", "tests/test_c
 # must not share the 2 cores with other tests: a run beside 8 busy ranks measures them.  These carry the `timing`
 # marker, and `make test` runs them alone, after the rest has run in parallel: the browser test and every notebook
 # under nbval (each notebook asserts what its live runs measured), and the unit tests marked in their files.
-TIMING_FILES = ["tests/test_browser.py"]
+TIMING_FILES = ["tests/test_browser.py", "tests/test_site_browser.py"]
 
 
 # Each test's measured duration (its set-up and call, in seconds) is kept in pytest's cache from run to run, so that `make
