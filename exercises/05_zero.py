@@ -1,4 +1,4 @@
-"""Exercise 05 — ZeRO-1: shard the optimizer state, step the local shard, gather the parameters.
+"""Exercise 05 — ZeRO-1: shard the optimizer state, step the local shard, broadcast the updated parameters.
 
 Under data parallelism every rank keeps the whole AdamW state, ``exp_avg`` and ``exp_avg_sq``: 8 bytes per
 fp32 parameter, twice the weights themselves, and identical on every rank.  ZeRO stage 1 (Rajbhandari et al.,

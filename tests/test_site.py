@@ -93,7 +93,9 @@ def test_the_frames_are_the_widgets_own_pictures_in_row_major_order_and_the_rest
     assert "Fixed here" in html and "fixed = x" in html
     with pytest.raises(ValueError, match=r"moved \['fixed'\]"):
         explorers.draw_frames(explorers.Explorer("99", "toy_explorer", lambda: _toy_explorer(clamp=True),
-                                                 {"a": (0, 2)}))
+                                                 {"a": (0, 1, 2)}))
+    with pytest.raises(ValueError, match=r"'a' opens at 1 in the notebook, which is not among the values stepped"):
+        explorers.draw_frames(explorers.Explorer("99", "toy_explorer", _toy_explorer, {"a": (0, 2)}))
     with pytest.raises(ValueError, match="no control described \\['c'\\]"):
         explorers.draw_frames(explorers.Explorer("99", "toy_explorer", _toy_explorer, {"c": (1,)}))
 
@@ -116,6 +118,25 @@ def test_claim_lines_are_marked_measured_or_computed_and_measured_numbers_underl
               nbformat.v4.new_output("stream", name="stdout", text="b\n"),
               nbformat.v4.new_output("stream", name="stderr", text="c\n")]
     assert [(o.name, o.text) for o in lessons.merged_streams(pieces)] == [("stdout", "a\nb\n"), ("stderr", "c\n")]
+
+
+@pytest.mark.parametrize(("line", "kind"), [
+    ("✓ labkit DDP, 3 ranks: equal to single-process training: differs by ~3.0e-08 (within 1e-06)", "computed"),
+    ("✓ DeepSeek-V3's active parameters: differs by ~8.52e+08 (within 0.025 relative)", "computed"),
+    ("✓ the simulator gives the closed form: differs by ~0.0e+00 (within 1e-12)", "computed"),
+    ("✓ 12 slots: every sample once, samples 0 and 1 twice", "computed"),
+    ("✓ no schedule beats the floor: measured ~61.1 ms, within 0.9x to 4x of ~50.4 ms", "measured"),
+    ("✓ a launch costs well under 2 s: ~0.10 s, ~0.11 s, ~0.26 s", "measured"),
+    ("✓ both: differs by ~1e-07 (within 1e-06), in ~3.2 ms", "measured"),
+])
+def test_a_claim_is_measured_by_its_measured_numbers_not_by_a_rounding_difference(line, kind):
+    assert lessons.claim_kind(line) == kind
+
+
+def test_the_exercises_checks_are_tagged_as_such_not_as_claims():
+    text = "✗ shard_bounds is not written yet: complete it in exercises/00_setup.py\n✓ a check passed"
+    html = lessons.stream_html(text, graded=True)
+    assert html.count('class="lk-line lk-exercise"') == 2 and "lk-claim lk-" not in html
 
 
 def _fake_course(tmp_path: Path, numbers: tuple[str, ...], rows: tuple[str, ...]) -> tuple[Path, Path]:
@@ -160,7 +181,10 @@ def test_a_page_adds_the_run_box_after_the_title_and_the_exercise_before_its_gra
     assert "git clone https://example.org/labkit.git labkit" in page.cells[1].source
     graded = next(i for i, cell in enumerate(page.cells) if 'grading.check("lr_scaling")' in cell.source)
     assert page.cells[graded - 1].source.startswith("::::{admonition} The exercise: Scaling the learning rate")
-    assert "exercises/03_lr_scaling.py" in page.cells[graded - 1].source
+    box = page.cells[graded - 1].source
+    assert "exercises/03_lr_scaling.py" in box and "Exercise 03 —" not in box.split("<details")[0]  # said once
+    assert "````python\n" + (ROOT / "exercises" / "03_lr_scaling.py").read_text().rstrip() + "\n````" in box
+    assert page.cells[0].source == "# " + lesson.title  # the box to run it right under the title
     streams = [output for cell in page.cells if cell.cell_type == "code" for output in cell.outputs
                if output.output_type == "stream"]
     assert not streams  # every printed line went through stream_html
@@ -203,3 +227,21 @@ def test_the_site_command_refuses_a_bad_worker_count_before_building():
     assert result.returncode == 2 and "--workers must be at least 1, got 0" in result.stderr
     with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
         build.build("/nonexistent/x", workers=0)
+
+
+def test_the_build_never_replaces_a_folder_it_did_not_write(tmp_path):
+    (tmp_path / "notes.txt").write_text("a student's work")
+    with pytest.raises(ValueError, match="holds files no site build wrote"):
+        build.build(tmp_path, workers=1)
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        build.build(tmp_path / "notes.txt", workers=1)
+    assert (tmp_path / "notes.txt").read_text() == "a student's work"
+
+
+def test_the_pages_workflow_builds_the_site_as_make_site_does_and_publishes_that_folder():
+    workflow = (ROOT / ".github" / "workflows" / "site.yml").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "SITE ?= build/site" in makefile and "run: make site" in workflow
+    assert "path: build/site" in workflow and "actions/upload-pages-artifact" in workflow
+    assert "actions/deploy-pages" in workflow and "pages: write" in workflow and "id-token: write" in workflow
+    assert "branches: [main]" in workflow

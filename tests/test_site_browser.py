@@ -144,6 +144,30 @@ def test_an_explorers_controls_change_its_picture_and_summary(site, served, brow
         page.close()
 
 
+def test_the_ring_explorers_step_stops_at_the_last_step_of_the_ring_chosen(site, served, browser):
+    page, found = open_page(browser, f"{served}/01_collectives.html", served)
+    try:
+        explorer = page.locator(".lk-explorer[data-key='01-ring_all_reduce_explorer']")
+        step = explorer.locator("input[type=range]").last
+        assert step.evaluate("input => input.max") == "6"  # 4 ranks: 2 (N - 1) steps after the start
+        explorer.locator("select").select_option(label="2")
+        assert step.evaluate("input => input.max") == "2"
+        assert found == []
+    finally:
+        page.close()
+
+
+def test_the_exercise_file_folded_on_a_page_is_the_file_byte_for_byte(site, served, browser):
+    page, found = open_page(browser, f"{served}/03_batch_size_and_lr.html", served)
+    try:
+        folded = page.locator("details.lk-exercise-file")
+        folded.locator("summary").click()
+        shown = folded.locator("pre").inner_text()
+        assert shown.rstrip("\n") == (build.course_root() / "exercises" / "03_lr_scaling.py").read_text().rstrip("\n")
+    finally:
+        page.close()
+
+
 def test_each_check_fails_on_a_site_broken_on_purpose(site, served, browser, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(site.out, broken)

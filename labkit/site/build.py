@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -55,13 +56,19 @@ class Built:
         return text
 
 
-def repository_url() -> str:
-    """The clone URL the run boxes print: ``LABKIT_REPOSITORY_URL``, else GitHub Actions' repository, else none."""
+def repository_url(root: Path | None = None) -> str:
+    """The clone URL the run boxes print: ``LABKIT_REPOSITORY_URL``, else GitHub Actions' repository, else the
+    clone's ``origin`` when it is a URL another machine can reach; else none (the boxes then say so)."""
     if os.environ.get("LABKIT_REPOSITORY_URL"):
         return os.environ["LABKIT_REPOSITORY_URL"]
     if os.environ.get("GITHUB_REPOSITORY"):
         return f"{os.environ.get('GITHUB_SERVER_URL', 'https://github.com')}/{os.environ['GITHUB_REPOSITORY']}"
-    return ""
+    try:
+        origin = subprocess.run(["git", "-C", str(root or course_root()), "remote", "get-url", "origin"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return origin if origin.startswith(("https://", "git@", "ssh://")) else ""
 
 
 def course_root() -> Path:
@@ -81,7 +88,8 @@ def build(out: Path | str, *, root: Path | None = None, workers: int | None = No
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    repository = repository_url() if repository is None else repository
+    _check_replaceable(out)
+    repository = repository_url(root) if repository is None else repository
     course = lessons.read_lessons(root / "notebooks", root / "README.md")
     numbers = {lesson.number for lesson in course}
     wanted = [entry for entry in explorers.EXPLORERS if entry.lesson in numbers]
@@ -109,7 +117,16 @@ def build(out: Path | str, *, root: Path | None = None, workers: int | None = No
         for digest, png in drawn.pictures.items():
             (pictures / f"{digest}.png").write_bytes(png)
     return Built(out, time.perf_counter() - start, course, len(list(pictures.glob("*.png"))),
-                 sum(len(drawn.frames) for drawn in frames.values()), missing)
+                 sum(drawn.settings for drawn in frames.values()), missing)
+
+
+def _check_replaceable(out: Path) -> None:
+    """``out`` is replaced by the build: refuse a file, or a folder with files in it that no build wrote."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out {str(out)!r} is a file, not a folder for the site")
+    if out.is_dir() and any(out.iterdir()) and not (out / ".buildinfo").is_file():
+        raise ValueError(f"out {str(out)!r} holds files no site build wrote (no .buildinfo): the build replaces its "
+                         "folder, so give a new or empty one")
 
 
 def _sphinx(source: Path, doctrees: Path, out: Path) -> None:
@@ -143,10 +160,11 @@ def landing_page(course: list[lessons.Lesson], frames: dict[str, explorers.Frame
         if entry.lesson in pages and entry.key in frames:
             drawn = frames[entry.key]
             stepped = ", ".join(control.description for control in drawn.controls)
-            others = ", ".join(name for name, _ in drawn.fixed) or "none"
+            others = ", ".join([name for name, _ in drawn.fixed] + ([entry.notebook_only] if entry.notebook_only
+                                                                     else [])) or "none"
             anchor = f"{pages[entry.lesson].page}.html#explorer-{entry.key}"  # an id in the page's raw HTML
             parts.append(f'| <a href="{anchor}">{entry.lesson}</a> | '
-                         f"`{entry.call}` | {stepped} ({len(drawn.frames)} settings) | {others} |")
+                         f"`{entry.call}` | {stepped} ({drawn.settings} settings) | {others} |")
     parts.append("\n```{toctree}\n:hidden:\n:maxdepth: 1\n\n" +
                  "\n".join(lesson.page for lesson in course) + "\n```\n")
     return "\n".join(parts)
@@ -171,7 +189,7 @@ notebooks do, on any laptop's CPU with several processes.
 
 ```bash
 {clone}
-make lab    # creates .venv, installs labkit and JupyterLab, opens the course (no GPU needed)
+make lab    # creates .venv, installs labkit and JupyterLab, prints the URL to open (no GPU needed)
 ```
 
 Start with lesson 00; the lessons build on each other in order. Each ends with an exercise in `exercises/`,
@@ -180,11 +198,15 @@ graded by the notebook's last cells or by `labkit grade`.
 ## How to read a page
 
 - **Outputs are stored, not re-run.** Each page shows its notebook exactly as it was executed when its outputs were
-  stored, and as CI checks it on every change (nbval, with this CPU's kernels and with PyTorch's portable ones).
+  stored, and as the project's tests check it on every change: run again on two kinds of CPU kernels, every
+  output must come out the same, but for the numbers marked `~`.
 - **Claims are marked.** A line starting with ✓ is something the lesson checked as it ran. Tagged *computed*, it
-  comes from a model, a count or a simulation, and is the same on every machine. Tagged *measured*, it holds a
-  number marked `~` (dotted underline), measured on the machine that stored the lesson, and the line states
-  the band the lesson holds it to: on your machine that number will differ, within the band.
+  comes from a model, a count, a simulation or a comparison with PyTorch, and is the same on every machine (a
+  rounding difference it prints, `differs by ~3.0e-08`, is marked `~` as it varies with the CPU, within the
+  tolerance stated). Tagged *measured*, it holds a number marked `~` (dotted underline), measured on the machine
+  that stored the lesson, and held to a band or a condition that the line or the lesson states: on your machine
+  that number will differ, and the claim still holds.
+- **The exercise's checks** are tagged *exercise*: they graded the file as it is given, unfinished.
 - **Explorers step through pictures.** Each explorer shows the pictures the lesson's own code drew for a small
   grid of its settings when this site was built; the box says which controls move here and what stays fixed.
   Every control moves in the notebook.

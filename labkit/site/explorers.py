@@ -42,6 +42,8 @@ class Explorer:
     make: Callable[[], Any]
     steps: dict[str, Sequence[Any]]
     inputs: str = ""
+    labels: dict[str, Sequence[str]] = field(default_factory=dict)  # the page's words, where the widget's read badly
+    notebook_only: str = ""  # what only the notebook offers, besides the controls the page keeps fixed
     seconds: float = 5.0  # about how long its pictures take to draw on one core (the build starts the longest first)
     key: str = field(init=False)
 
@@ -52,6 +54,9 @@ class Explorer:
             if not values:
                 raise ValueError(f"explorer {self.key}: no values to step for {description!r}")
             frames *= len(values)
+            if description in self.labels and len(self.labels[description]) != len(values):
+                raise ValueError(f"explorer {self.key}: {len(self.labels[description])} labels for the "
+                                 f"{len(values)} values of {description!r}")
         if not 1 <= len(self.steps) <= 3 or frames > MAX_FRAMES:
             raise ValueError(f"explorer {self.key}: {len(self.steps)} stepped controls and {frames} pictures; "
                              f"the page steps 1 to 3 controls and at most {MAX_FRAMES} pictures")
@@ -130,7 +135,8 @@ CONSTANTS = "the course's link constants (labkit/costmodel/hardware.py)"
 
 EXPLORERS: list[Explorer] = [
     Explorer("00", "why_distributed_explorer", _lazy(WIDGETS, "why_distributed_explorer"),
-             {"parameters": (1e9, 7e9, 70e9, 405e9), "GPUs": (8, 64, 512, 4096)}, seconds=8),
+             {"parameters": (1e9, 7e9, 70e9, 405e9), "GPUs": (8, 64, 512, 4096)},
+             labels={"parameters": ("1B", "7B", "70B", "405B")}, seconds=8),
     Explorer("01", "ring_all_reduce_explorer", _with(lambda: (recorded_ring_runs(),), WIDGETS,
                                                      "ring_all_reduce_explorer"),
              {"ranks N": (2, 3, 4), "segments": (1, 2), "step": tuple(range(7))},
@@ -138,14 +144,14 @@ EXPLORERS: list[Explorer] = [
     Explorer("01", "alpha_beta_explorer", _with(lambda: (_links(LESSON_01_LINKS),), WIDGETS, "alpha_beta_explorer",
                                                 world_size=8),
              {"link": tuple(LESSON_01_LINKS), "ranks N": (2, 8, 64)},
-             inputs=CONSTANTS + "; the link the notebook fits on your machine is in the notebook only"),
+             inputs=CONSTANTS, notebook_only="the link the notebook fits on your machine"),
     Explorer("02", "ddp_step_explorer", _with(lambda: (_links(LESSON_02_LINKS),), WIDGETS, "ddp_step_explorer",
                                               compute_ms=60.0, parameters_m=350.0),
              {"link": tuple(LESSON_02_LINKS), "ranks N": (2, 8, 64, 512)}, inputs=CONSTANTS),
     Explorer("03", "lr_schedule_explorer", _lazy(WIDGETS, "lr_schedule_explorer"),
              {"rule": ("linear", "sqrt", "none"), "decay": ("constant", "cosine", "linear", "step")}),
     Explorer("04", "precision_memory_explorer", _lazy(WIDGETS, "precision_memory_explorer"),
-             {"params (B)": (1.0, 7.0, 70.0, 405.0), "GPU": ("A100 80GB", "H100 80GB", "H200 141GB")}),
+             {"params (B)": (1.0, 7.0, 70.0, 405.0), "GPU": ("V100 32GB", "H100 80GB", "H200 141GB")}),
     Explorer("05", "memory_explorer", _lazy(WIDGETS, "memory_explorer"),
              {"model": ("gpt2-xl", "llama-2-7b", "llama-2-70b", "llama-3-405b"), "ZeRO stage": (0, 1, 2, 3)}),
     Explorer("06", "tensor_parallel_explorer", _lazy(WIDGETS, "tensor_parallel_explorer"),
@@ -171,7 +177,8 @@ EXPLORERS: list[Explorer] = [
     Explorer("14", "moe_explorer", _lazy("labkit.viz.experts_plots", "moe_explorer"),
              {"capacity": ("none", "0.5", "1.0", "1.25", "2.0"), "skew (Zipf)": (0.0, 0.5, 1.0, 2.0)}),
     Explorer("15", "pipeline_explorer", _lazy("labkit.viz.pipeline_widgets", "pipeline_explorer", "ZB-V"),
-             {"schedule": ("1F1B", "ZB-H1", "Interleaved ZB", "ZB-V", "DualPipeV"), "micro-batches m": (8, 16)}),
+             {"schedule": ("1F1B", "ZB-H1", "Interleaved ZB", "ZB-V", "DualPipeV"),
+              "DualPipeV: overlap": (0.0, 0.5, 1.0)}, seconds=8),
 ]
 
 
@@ -205,19 +212,26 @@ class Control:
     description: str
     kind: str
     labels: list[str]
-    opening: int  # the index of the value the notebook opens with, when it is among the steps (else 0)
+    opening: int  # the index of the value the notebook opens with
 
 
 @dataclass
 class Frames:
     """What the page needs to step through an explorer: its controls, the fixed ones, and one picture (PNG
-    bytes, by content hash) and summary (HTML) per combination of the controls' values, in row-major order."""
+    bytes, by content hash) and summary (HTML) per combination of the controls' values, in row-major order.  A
+    frame is ``clamped`` on a control when the widget moved that value (lesson 01's step, past the last step of
+    a smaller ring): the page's range stops before it."""
 
     key: str
     controls: list[Control]
     fixed: list[tuple[str, str]]
     pictures: dict[str, bytes]
     frames: list[dict[str, Any]]
+
+    @property
+    def settings(self) -> int:
+        """The settings the page can show: the frames no value of which the widget moved."""
+        return sum(not any(frame["clamped"]) for frame in self.frames)
 
 
 def _controls(widget: Any) -> list[Any]:
@@ -255,14 +269,15 @@ def label(control: Any, value: Any | None = None) -> str:
     if isinstance(value, tuple):
         return ", ".join(str(item) for item in value)
     if isinstance(value, float):
-        return f"{value:,.3g}" if abs(value) < 1e4 else f"{value:.3g}"
+        return f"{value:,.0f}" if value.is_integer() and abs(value) < 1e7 else f"{value:.3g}"
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def draw_frames(explorer: Explorer) -> Frames:
     """Build ``explorer``'s widget and move its stepped controls through every combination of their values,
-    keeping what it shows for each.  Raises ``ValueError`` naming a description the widget does not have, or a
-    control that another one moved (the page would show a setting the notebook cannot reach)."""
+    keeping what it shows for each.  Raises ``ValueError`` naming a description the widget does not have, a
+    control whose opening value is not among its steps (the page opens where the notebook does), or a control
+    that another one moved (the page would show a setting the notebook cannot reach)."""
     import ipywidgets
 
     widget = explorer.make()
@@ -281,8 +296,11 @@ def draw_frames(explorer: Explorer) -> Frames:
         control = controls[description]
         kind = "range" if isinstance(control, (ipywidgets.IntSlider, ipywidgets.FloatSlider,
                                                ipywidgets.FloatLogSlider, ipywidgets.SelectionSlider)) else "select"
-        opening = list(values).index(control.value) if control.value in values else 0
-        page_controls.append(Control(description, kind, [label(control, value) for value in values], opening))
+        if control.value not in values:  # the page opens on the notebook's first picture
+            raise ValueError(f"explorer {explorer.key}: {description!r} opens at {control.value!r} in the notebook, "
+                             f"which is not among the values stepped, {list(values)}")
+        labels = list(explorer.labels.get(description, [label(control, value) for value in values]))
+        page_controls.append(Control(description, kind, labels, list(values).index(control.value)))
     stored: dict[str, bytes] = {}
     frames = []
     for combination in product(*explorer.steps.values()):
@@ -295,8 +313,12 @@ def draw_frames(explorer: Explorer) -> Frames:
         png = bytes(pictures[0].value)
         digest = hashlib.sha1(png).hexdigest()[:16]
         stored[digest] = png
+        shown = [page.labels[list(values).index(control.value)] if control.value in values else label(control)
+                 for page, values, control in zip(page_controls, explorer.steps.values(), stepped, strict=True)]
         frames.append({"picture": digest, "summary": "".join(summary.value for summary in summaries),
-                       "shown": [label(control) for control in stepped]})
+                       "shown": shown,  # a value the widget moved (a step past its range) reads as it moved
+                       "clamped": [control.value != value for control, value in zip(stepped, combination,
+                                                                                   strict=True)]})
     return Frames(explorer.key, page_controls, [(d, label(controls[d])) for d in fixed], stored, frames)
 
 

@@ -124,21 +124,41 @@ def duration(seconds: float) -> str:
 # Outputs
 
 
-def stream_html(text: str, name: str = "stdout") -> str:
+ROUNDING = re.compile(r"differs by ~\S+ \(within [^)]*\)")  # labkit.claims.close(): a computed claim's rounding
+GRADING = re.compile(r"grading\.(check|trying)\(")  # a cell whose ✓/✗ lines grade the exercise, not claims
+
+
+def claim_kind(line: str) -> str:
+    """``"measured"`` when the claim holds a number measured as the lesson ran (marked ``~``), else
+    ``"computed"``.  The difference that :func:`labkit.claims.close` prints (``differs by ~3.0e-08 (within
+    1e-06)``) is marked too, as it varies with a CPU's rounding, but the claim is computed."""
+    return "measured" if MEASURED.search(ROUNDING.sub("", line)) else "computed"
+
+
+def _mark(escaped: str, kind: str) -> str:
+    title = ("measured when this lesson was stored; another run differs" if kind == "measured" else
+             "a rounding difference: it varies with the CPU's kernels, within the tolerance stated")
+    return MEASURED.sub(lambda match: f'<span class="lk-measured-value" title="{title}">{match.group(0)}</span>',
+                        escaped)
+
+
+def stream_html(text: str, name: str = "stdout", graded: bool = False) -> str:
     """A stream output as HTML, a block per line: every claim line set apart as measured or computed, every
-    measured number marked."""
+    measured number marked.  ``graded``: the cell grades the exercise, so its ✓/✗ lines are the checks' verdicts
+    on the untouched stub, set apart as such, not claims."""
     lines = []
     for line in ANSI.sub("", text).rstrip("\n").split("\n"):
         escaped = html.escape(line)
-        marked = MEASURED.sub(lambda match: f'<span class="lk-measured-value" title="measured when this lesson '
-                                            f'was stored; another run differs">{match.group(0)}</span>', escaped)
-        if line.startswith((claims.PASS, claims.MISS)):
-            kind = "measured" if MEASURED.search(line) else "computed"
+        if line.startswith((claims.PASS, claims.MISS)) and graded:
+            lines.append(f'<span class="lk-line lk-exercise" title="the exercise\'s checks, on the file as given">'
+                         f'<span class="lk-claim-kind">exercise</span>{escaped}</span>')
+        elif line.startswith((claims.PASS, claims.MISS)):
+            kind = claim_kind(line)
             verdict = "holds" if line.startswith(claims.PASS) else "missed"
             lines.append(f'<span class="lk-line lk-claim lk-{kind} lk-{verdict}" title="a {kind} claim">'
-                         f'<span class="lk-claim-kind">{kind}</span>{marked}</span>')
+                         f'<span class="lk-claim-kind">{kind}</span>{_mark(escaped, kind)}</span>')
         else:
-            lines.append(f'<span class="lk-line">{marked}</span>')
+            lines.append(f'<span class="lk-line">{_mark(escaped, "measured")}</span>')
     return f'<pre class="lk-stream lk-{name}">' + "".join(lines) + "</pre>"
 
 
@@ -173,16 +193,18 @@ def explorer_html(entry: explorers.Explorer | None, frames: explorers.Frames | N
     stepped = ", ".join(f"<i>{html.escape(control.description)}</i>" for control in frames.controls)
     fixed = "; ".join(f"{html.escape(name)} = {html.escape(value)}" for name, value in frames.fixed)
     inputs = f" Inputs: {html.escape(entry.inputs)}." if entry.inputs else ""
-    note = (f"<b>Live on this page:</b> {len(frames.frames)} settings of {stepped}, drawn by the lesson's own "
+    only = f" Only in the notebook: {html.escape(entry.notebook_only)}." if entry.notebook_only else ""
+    note = (f"<b>Live on this page:</b> {frames.settings} settings of {stepped}, drawn by the lesson's own "
             f"code when this site was built.{inputs} " +
-            (f"Fixed here (every control moves in the notebook): {fixed}." if fixed else ""))
+            (f"Fixed here (every control moves in the notebook): {fixed}." if fixed else "") + only)
     data = {"controls": [control.__dict__ for control in frames.controls], "opening": opening,
             "frames": frames.frames}
     return (f'<div class="lk-explorer" id="explorer-{frames.key}" data-key="{frames.key}">'
             f'<p class="lk-explorer-note">{note}</p><div class="lk-explorer-controls"></div>'
             f'<div class="lk-explorer-summary">{first["summary"]}</div>'
+            f'<a class="lk-picture-link" href="_explorers/{first["picture"]}.png" target="_blank">'
             f'<img class="lk-explorer-picture" src="_explorers/{first["picture"]}.png" '
-            f'alt="{html.escape(entry.call)}: the opening picture">'
+            f'alt="{html.escape(entry.call)}: {html.escape(", ".join(first["shown"]))}"></a>'
             f'<script type="application/json" class="lk-explorer-data">{_script_json(data)}</script></div>')
 
 
@@ -196,7 +218,7 @@ def _script_json(data: Any) -> str:
 
 def clone_command(repository: str) -> str:
     """The first of the two commands that run the course: a clone of ``repository`` (a placeholder if unknown)."""
-    return f"git clone {repository or '<repository-url>'} labkit && cd labkit"
+    return f"git clone {repository or '<the URL of the labkit repository>'} labkit && cd labkit"
 
 
 def run_box(lesson: Lesson, repository: str) -> str:
@@ -204,30 +226,24 @@ def run_box(lesson: Lesson, repository: str) -> str:
     return (f":::{{admonition}} Run this lesson\n:class: tip\n\n"
             f"About {lesson.reading_minutes} min of reading. Its notebook ran in {duration(lesson.run_seconds)} "
             f"when these outputs were stored ({lesson.stored_on}, on the course's 2-core reference machine, no "
-            f"GPU). To run it yourself:\n\n```bash\n{clone}\nmake lab    # installs .venv, then opens JupyterLab: "
-            f"open {lesson.path.name}\n```\n\nWhat you see below is that run, executed and checked, not re-run "
+            f"GPU). To run it yourself:\n\n```bash\n{clone}\nmake lab    # installs .venv, starts JupyterLab and prints its "
+            f"URL: open {lesson.path.name}\n```\n\nWhat you see below is that run, executed and checked, not re-run "
             f"for this page: [how to read it](index.md#how-to-read-a-page).\n:::\n")
 
 
 def exercise_box(topic: str, exercises_folder: Path) -> str:
+    """The exercise's statement (its file's docstring, less the first line: the box's title says it) and the file
+    itself, folded, as a learner gets it."""
     file_name, _, title = grading.EXERCISES[topic]
     source = (exercises_folder / file_name).read_text()
-    statement = ast.get_docstring(ast.parse(source)) or ""
+    statement = (ast.get_docstring(ast.parse(source)) or "").partition("\n")[2].strip()
     statement = re.sub(r"::\n", ":\n", statement)  # reStructuredText's literal block: markdown's indented one
-    stub = _highlight(source)
+    fence = "`" * max(4, 1 + max((len(run) for run in re.findall(r"`+", source)), default=0))
     return (f"::::{{admonition}} The exercise: {title}\n:class: note\n\n{statement}\n\n"
-            f"<details><summary>The file you complete: <code>exercises/{file_name}</code></summary>\n\n{stub}\n"
-            f"</details>\n\nIn the notebook, the cell below grades it (or `labkit grade`); the output stored "
-            f"here is the untouched file's.\n::::\n")
-
-
-def _highlight(source: str) -> str:
-    from pygments import highlight
-    from pygments.formatters import HtmlFormatter
-    from pygments.lexers import PythonLexer
-
-    return '<div class="highlight-python notranslate">' + \
-        highlight(source, PythonLexer(), HtmlFormatter(cssclass="highlight")) + "</div>"
+            f'<details class="lk-exercise-file"><summary>The file you complete: <code>exercises/{file_name}</code>'
+            f"</summary>\n\n{fence}python\n{source.rstrip()}\n{fence}\n\n</details>\n\n"
+            f"In the notebook, the cell below grades it (or `labkit grade`); the output stored here is the untouched "
+            f"file's.\n::::\n")
 
 
 def page_notebook(lesson: Lesson, frames: dict[str, explorers.Frames], exercises_folder: Path,
@@ -243,15 +259,18 @@ def page_notebook(lesson: Lesson, frames: dict[str, explorers.Frames], exercises
                 if entry is None or entry.key not in frames:
                     missing.append(f"{lesson.path.name}: {call}")
                 cell.outputs = [_html_output(explorer_html(entry, frames.get(entry.key) if entry else None, call))]
-            cell.outputs = [_html_output(stream_html(output.text, output.name))
+            grades = bool(GRADING.search(cell.source))
+            cell.outputs = [_html_output(stream_html(output.text, output.name, grades))
                             if output.output_type == "stream" else output for output in merged_streams(cell.outputs)]
             graded = [topic for topic in pending if re.search(rf"grading\.check\(\s*[\"']{topic}[\"']", cell.source)]
             for topic in graded:
                 cells.append(nbformat.v4.new_markdown_cell(exercise_box(topic, exercises_folder)))
                 pending.remove(topic)
+        if index == 0:  # the title, the box to run the lesson, then the rest of the first cell
+            title, _, rest = cell.source.partition("\n")
+            cells += [nbformat.v4.new_markdown_cell(title), nbformat.v4.new_markdown_cell(run_box(lesson, repository))]
+            cell.source = rest.lstrip("\n")
         cells.append(cell)
-        if index == 0:
-            cells.append(nbformat.v4.new_markdown_cell(run_box(lesson, repository)))
     notebook.cells = cells
     notebook.metadata.pop("widgets", None)
     return notebook, missing
