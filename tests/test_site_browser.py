@@ -6,12 +6,14 @@ test: the build takes both cores)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import re
 import shutil
 import threading
-import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -37,16 +39,23 @@ def site(tmp_path_factory, request):
     return built
 
 
+@contextlib.contextmanager
+def serve(folder: Path) -> Iterator[str]:
+    """``folder`` over HTTP on 127.0.0.1 (as GitHub Pages serves it), on a free port: its origin."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler,
+                                                                                directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture(scope="module")
 def served(site):
-    """The built folder over HTTP on 127.0.0.1 (as GitHub Pages serves it), on a free port."""
-    handler = functools.partial(_QuietHandler, directory=str(site.out))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve(site.out) as origin:
+        yield origin
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -68,9 +77,10 @@ def browser():
             chromium.close()
 
 
-def open_page(browser, url: str, origin: str, width: int = 1200) -> tuple[object, list[str]]:
-    """``url`` in a new tab of ``width`` pixels; what went wrong while it loaded: console errors, page errors,
-    failed or refused requests, anything asked of another host."""
+@contextlib.contextmanager
+def opened(browser, origin: str, name: str, width: int = 1200) -> Iterator[tuple[object, list[str]]]:
+    """Page ``name`` in a new tab of ``width`` pixels, closed after; what went wrong while it loaded: console errors,
+    page errors, failed or refused requests, anything asked of another host."""
     page = browser.new_page(viewport={"width": width, "height": 900})
     found: list[str] = []
     page.on("console", lambda message: message.type == "error" and found.append(f"console: {message.text}"))
@@ -80,8 +90,11 @@ def open_page(browser, url: str, origin: str, width: int = 1200) -> tuple[object
         f"HTTP {response.status}: {response.url}"))
     page.on("request", lambda request: request.url.startswith((origin, "data:")) or found.append(
         f"another host: {request.url}"))
-    page.goto(url, wait_until="load")
-    return page, found
+    try:
+        page.goto(f"{origin}/{name}", wait_until="load")
+        yield page, found
+    finally:
+        page.close()
 
 
 PICTURES = """() => Array.from(document.images).filter(img => !(img.complete && img.naturalWidth > 0))
@@ -89,8 +102,7 @@ PICTURES = """() => Array.from(document.images).filter(img => !(img.complete && 
 
 
 def page_faults(browser, origin: str, name: str, width: int = 1200) -> list[str]:
-    page, found = open_page(browser, f"{origin}/{name}", origin, width)
-    try:
+    with opened(browser, origin, name, width) as (page, found):
         page.wait_for_load_state("networkidle")
         found += [f"picture not shown: {src}" for src in page.evaluate(PICTURES)]
         if page.locator("math").count() == 0 and name != "search.html" and name != "genindex.html":
@@ -98,8 +110,6 @@ def page_faults(browser, origin: str, name: str, width: int = 1200) -> list[str]
         wide = page.evaluate("() => document.documentElement.scrollWidth - window.innerWidth")
         if wide > 2:
             found.append(f"the page is {wide} px wider than a {width} px screen")
-    finally:
-        page.close()
     return found
 
 
@@ -123,8 +133,7 @@ def test_a_lesson_reads_on_a_phone(site, served, browser):
 
 
 def test_an_explorers_controls_change_its_picture_and_summary(site, served, browser):
-    page, found = open_page(browser, f"{served}/07_pipeline_parallel.html", served)
-    try:
+    with opened(browser, served, "07_pipeline_parallel.html") as (page, found):
         explorer = page.locator(".lk-explorer[data-key='07-pipeline_explorer']")
         picture = explorer.locator("img.lk-explorer-picture")
         opening, summary = picture.get_attribute("src"), explorer.locator(".lk-explorer-summary").inner_text()
@@ -139,32 +148,24 @@ def test_an_explorers_controls_change_its_picture_and_summary(site, served, brow
         assert "GPipe, p = 4, m = 16" in explorer.locator(".lk-explorer-summary").inner_text()
         assert picture.evaluate("img => img.complete && img.naturalWidth > 0")
         assert found == []
-    finally:
-        page.close()
 
 
 def test_the_ring_explorers_step_stops_at_the_last_step_of_the_ring_chosen(site, served, browser):
-    page, found = open_page(browser, f"{served}/01_collectives.html", served)
-    try:
+    with opened(browser, served, "01_collectives.html") as (page, found):
         explorer = page.locator(".lk-explorer[data-key='01-ring_all_reduce_explorer']")
         step = explorer.locator("input[type=range]").last
         assert step.evaluate("input => input.max") == "6"  # 4 ranks: 2 (N - 1) steps after the start
         explorer.locator("select").select_option(label="2")
         assert step.evaluate("input => input.max") == "2"
         assert found == []
-    finally:
-        page.close()
 
 
 def test_the_exercise_file_folded_on_a_page_is_the_file_byte_for_byte(site, served, browser):
-    page, found = open_page(browser, f"{served}/03_batch_size_and_lr.html", served)
-    try:
+    with opened(browser, served, "03_batch_size_and_lr.html") as (page, found):
         folded = page.locator("details.lk-exercise-file")
         folded.locator("summary").click()
         shown = folded.locator("pre").inner_text()
         assert shown.rstrip("\n") == (build.course_root() / "exercises" / "03_lr_scaling.py").read_text().rstrip("\n")
-    finally:
-        page.close()
 
 
 def test_each_check_fails_on_a_site_broken_on_purpose(site, served, browser, tmp_path):
@@ -180,16 +181,8 @@ def test_each_check_fails_on_a_site_broken_on_purpose(site, served, browser, tmp
     problems = check.problems(broken, [f"{lesson.page}.html" for lesson in site.lessons])
     assert f"02_data_parallel.html: <img> _explorers/{opening}.png: no such file" in problems
     assert "02_data_parallel.html: link 03_batch_size_and_LR.html: no such page" in problems
-    handler = functools.partial(_QuietHandler, directory=str(broken))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        started = time.monotonic()
-        found = page_faults(browser, f"http://127.0.0.1:{server.server_address[1]}", "02_data_parallel.html")
-        assert time.monotonic() - started < 60
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve(broken) as origin:
+        found = page_faults(browser, origin, "02_data_parallel.html")
     assert "console: broken on purpose" in found
     assert f"picture not shown: _explorers/{opening}.png" in found
     assert any(fault.startswith("HTTP 404") and opening in fault for fault in found)

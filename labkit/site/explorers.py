@@ -157,7 +157,7 @@ EXPLORERS: list[Explorer] = [
     Explorer("06", "tensor_parallel_explorer", _lazy(WIDGETS, "tensor_parallel_explorer"),
              {"TP degree t": (1, 2, 4, 8, 16),
               "link": ("NVLink 4 (inside a node)", "InfiniBand NDR (across nodes)")}),
-    Explorer("07", "pipeline_explorer", _with(lambda: (), "labkit.viz.pipeline_widgets", "pipeline_explorer",
+    Explorer("07", "pipeline_explorer", _lazy("labkit.viz.pipeline_widgets", "pipeline_explorer",
                                               schedules=("GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1")),
              {"schedule": ("GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1"), "micro-batches m": (4, 8, 16)}),
     Explorer("08", "ps_explorer", _lazy("labkit.viz.ps_plots", "ps_explorer"),
